@@ -1,0 +1,53 @@
+"""The local OpenAI-compatible API (FastAPI), in front of the supervised engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from appliance import __version__
+from appliance.api.errors import install_handlers
+from appliance.api.proxy import EngineProxy
+from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.engine.supervisor import EngineState
+
+
+def create_app(proxy: EngineProxy) -> FastAPI:
+    app = FastAPI(
+        title="Edge LLM appliance",
+        version=__version__,
+        docs_url=None,  # no interactive docs on a production box; /openapi.json stays
+        redoc_url=None,
+    )
+    install_handlers(app)
+    supervisor = proxy.supervisor
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        """The appliance process is alive and its event loop answers."""
+        return {"status": "alive", "engine": supervisor.status.state.value}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """200 only while the engine serves; 503 with the reason while loading, restarting or failed."""
+        st = supervisor.status
+        body = {"status": "ready" if st.state is EngineState.READY else "not_ready", "engine": st.as_dict()}
+        if st.state is EngineState.READY:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(proxy.settings.retry_after_s)})
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return await proxy.list_models(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.generate(request, "/v1/completions", CompletionRequest)
+
+    return app

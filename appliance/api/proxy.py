@@ -1,0 +1,351 @@
+"""Forwarding OpenAI requests to the private vLLM port.
+
+Streams are passed through event by event as they arrive (never buffered
+whole). For streams the appliance always asks vLLM for the final usage event,
+so the request log has token counts, and removes that event again when the
+client did not ask for it. A client that goes away closes the upstream
+connection, which makes vLLM abort the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from appliance.api.errors import ApiError, error_body
+from appliance.api.schemas import validate_body
+from appliance.engine.supervisor import EngineState, EngineSupervisor
+from appliance.store import RequestLog, RequestRecord
+
+log = logging.getLogger(__name__)
+
+_USAGE_MARK = b'"usage":{'
+_EMPTY_CHOICES = b'"choices":[]'
+_DONE = b"data: [DONE]"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    served_name: str
+    max_body_bytes: int
+    retry_after_s: int
+    upstream_timeout_s: float
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+class EngineProxy:
+    def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None) -> None:
+        self.supervisor = supervisor
+        self.settings = settings
+        self.request_log = request_log
+        # One pooled client for the daemon's lifetime: keep-alive connections to the engine
+        # save a TCP handshake per request.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def require_ready(self) -> str:
+        st = self.supervisor.status
+        base = self.supervisor.base_url
+        if st.state is not EngineState.READY or base is None:
+            what = {
+                EngineState.STARTING: "the engine is loading the model",
+                EngineState.RESTARTING: "the engine is restarting after a failure",
+                EngineState.FAILED: "the engine has failed and the appliance gave up restarting it",
+                EngineState.STOPPING: "the appliance is stopping",
+            }.get(st.state, "the engine is not running")
+            raise ApiError(
+                503,
+                f"{what} ({st.reason}); retry later",
+                code="engine_not_ready",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        return base
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw:
+            raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.served_name:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist here; this appliance serves '{self.settings.served_name}'",
+                code="model_not_found",
+                param="model",
+            )
+
+    # -- routes ---------------------------------------------------------------------------
+
+    async def list_models(self, request: Request) -> Response:
+        base = self.require_ready()
+        r = await self.client.get(f"{base}/v1/models", headers=self._auth())
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def generate(self, request: Request, route: str, schema: type) -> Response:
+        rid = request.headers.get("x-request-id") or new_request_id()
+        t0 = time.perf_counter()
+        body: Any = None
+        try:
+            body = await self.read_json(request)
+            parsed = validate_body(schema, body)
+            self.check_model(parsed.model)
+            base = self.require_ready()
+        except ApiError as e:
+            model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
+            self._record(RequestRecord(id=rid, ts=time.time(), route=route, model=model, status=e.status,
+                                       stream=False, error_code=e.code), t0)
+            e.headers.setdefault("X-Request-Id", rid)
+            raise
+
+        stream = bool(parsed.stream)
+        client_wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        if stream and not client_wants_usage:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body["stream_options"] = opts
+
+        rec = RequestRecord(
+            id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream,
+            prompt=_prompt_text(body) if self.request_log and self.request_log.keep_text else None,
+        )
+        upstream_req = self.client.build_request(
+            "POST", f"{base}{route}", content=json.dumps(body).encode(), headers=self._auth(rid)
+        )
+        try:
+            upstream = await self._send_watching_disconnect(request, upstream_req)
+        except _ClientGone:
+            rec.status, rec.error_code = 499, "client_disconnected"
+            self._record(rec, t0)
+            return Response(status_code=499)
+        except httpx.HTTPError as e:
+            rec.status, rec.error_code = 503, "engine_unreachable"
+            self._record(rec, t0)
+            raise ApiError(
+                503, f"the engine did not answer ({type(e).__name__}); retry later", code="engine_unreachable",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            ) from None
+
+        headers = {"X-Request-Id": rid}
+        if upstream.status_code != 200 or not stream:
+            try:
+                content = await self._read_watching_disconnect(request, upstream)
+            except _ClientGone:
+                rec.status, rec.error_code = 499, "client_disconnected"
+                self._record(rec, t0)
+                return Response(status_code=499)
+            except httpx.HTTPError:
+                content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
+                                                "engine_error")).encode()
+                return self._finish_plain(rec, t0, 502, content, headers)
+            return self._finish_plain(rec, t0, upstream.status_code, content, headers)
+
+        rec.status = 200
+        return StreamingResponse(
+            self._relay(upstream, rec, t0, strip_usage=not client_wants_usage),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(self._record, rec, t0),
+        )
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _auth(self, rid: str | None = None) -> dict[str, str]:
+        h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}
+        if rid:
+            h["X-Request-Id"] = rid
+        return h
+
+    async def _send_watching_disconnect(self, request: Request, upstream_req: httpx.Request) -> httpx.Response:
+        return await _race_disconnect(request, self.client.send(upstream_req, stream=True))
+
+    async def _read_watching_disconnect(self, request: Request, upstream: httpx.Response) -> bytes:
+        try:
+            return await _race_disconnect(request, upstream.aread())
+        finally:
+            await upstream.aclose()
+
+    def _finish_plain(self, rec: RequestRecord, t0: float, status: int, content: bytes, headers: dict) -> Response:
+        rec.status = status
+        if status == 200:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                data = json.loads(content)
+                _take_usage(rec, data.get("usage"))
+                if rec.prompt is not None:
+                    rec.completion = _completion_text(data)
+        else:
+            content, rec.error_code = _normalise_error(status, content)
+        media = "application/json"
+        return Response(content, status_code=status, media_type=media, headers=headers,
+                        background=BackgroundTask(self._record, rec, t0))
+
+    async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool) -> AsyncIterator[bytes]:
+        buf = b""
+        texts: list[str] | None = [] if rec.prompt is not None else None
+        try:
+            async for chunk in upstream.aiter_raw():
+                if rec.ttft_ms is None:
+                    rec.ttft_ms = (time.perf_counter() - t0) * 1000
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                ready, buf = buf[: cut + 2], buf[cut + 2 :]
+                if _USAGE_MARK in ready or texts is not None:
+                    ready = self._inspect_events(ready, rec, strip_usage, texts)
+                if ready:
+                    yield ready
+            if buf:
+                yield buf
+        except httpx.HTTPError as e:
+            # The engine went away mid-answer: end the stream with an error event the
+            # OpenAI client raises on, instead of a silent truncation.
+            rec.status, rec.error_code = 502, "engine_stream_broken"
+            log.warning("stream %s broke off: %s", rec.id, type(e).__name__)
+            err = error_body("the engine stopped while streaming this answer; retry", "server_error", None,
+                             "engine_stream_broken")
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        except asyncio.CancelledError:
+            rec.status, rec.error_code = 499, "client_disconnected"
+            raise
+        finally:
+            # Closing an unfinished upstream stream drops the connection: vLLM aborts the request.
+            await upstream.aclose()
+            if texts is not None:
+                rec.completion = "".join(texts)
+
+    @staticmethod
+    def _inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None) -> bytes:
+        kept: list[bytes] = []
+        for event in ready.split(b"\n\n"):
+            if not event:
+                continue
+            if event.startswith(b"data: {"):
+                is_usage = _USAGE_MARK in event
+                if is_usage or texts is not None:
+                    with contextlib.suppress(ValueError):
+                        data = json.loads(event[6:])
+                        if is_usage:
+                            _take_usage(rec, data.get("usage"))
+                        if texts is not None:
+                            texts.append(_completion_text(data, delta=True))
+                if is_usage and strip_usage and _EMPTY_CHOICES in event:
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def _record(self, rec: RequestRecord, t0: float) -> None:
+        rec.total_ms = (time.perf_counter() - t0) * 1000
+        if self.request_log is not None:
+            self.request_log.record(rec)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _race_disconnect(request: Request, work: Any) -> Any:
+    """Run `work` unless the client disconnects first; then cancel it (closing the upstream)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            res = await task
+            if isinstance(res, httpx.Response):
+                await res.aclose()
+        raise _ClientGone()
+    finally:
+        watcher.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _take_usage(rec: RequestRecord, usage: Any) -> None:
+    if isinstance(usage, dict):
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.completion_tokens = usage.get("completion_tokens")
+
+
+def _prompt_text(body: dict) -> str:
+    if "messages" in body:
+        return json.dumps(body["messages"], ensure_ascii=False)
+    p = body.get("prompt")
+    return p if isinstance(p, str) else json.dumps(p)
+
+
+def _completion_text(data: dict, delta: bool = False) -> str:
+    out = []
+    for c in data.get("choices") or []:
+        if delta:
+            out.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+        else:
+            out.append((c.get("message") or {}).get("content") or c.get("text") or "")
+    return "".join(out)
+
+
+def _normalise_error(status: int, content: bytes) -> tuple[bytes, str | None]:
+    """Re-shape the engine's error into the OpenAI body with an OpenAI error type.
+
+    vLLM answers {"error": {"message", "type": "BadRequestError", "param", "code": 400}}:
+    the right idea with a Python class name for the type and the status as the code.
+    Clients switch on `type` and `code`, so those are mapped; message and param are kept.
+    """
+    message, param, code = None, None, None
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        data = json.loads(content)
+        err = data.get("error") if isinstance(data.get("error"), dict) else data
+        if isinstance(err.get("message"), str):
+            message, param = err["message"], err.get("param")
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+    if message is None:
+        message = f"the engine answered {status}: {content.decode('utf-8', 'replace')[:500]}"
+    code = code or ("engine_rejected" if status < 500 else "engine_error")
+    body = ApiError(status, message, code=code, param=param if isinstance(param, str) else None).body()
+    return json.dumps(body).encode(), code

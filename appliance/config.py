@@ -1,0 +1,259 @@
+"""The appliance's configuration: one TOML file, validated at start.
+
+The file is found at ``--config PATH``, else ``$APPLIANCE_CONFIG``, else
+``/etc/appliance/appliance.toml``. Relative paths inside the file are resolved
+against the file's own folder, and ``~`` is expanded, so a config file can be
+moved together with the things it points at.
+
+Every section forbids unknown keys: a typo must fail loudly at start, not be
+silently ignored on a box nobody watches.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
+CONFIG_ENV = "APPLIANCE_CONFIG"
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(Exception):
+    """A configuration problem, phrased for an operator."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSection(_Section):
+    path: Path = Field(description="Local folder of the HF model (config.json, tokenizer, safetensors).")
+    served_name: str = Field(default="", description="Model id clients send; default: the folder name.")
+
+    @field_validator("served_name")
+    @classmethod
+    def _no_blank_inside(cls, v: str) -> str:
+        if v and (v != v.strip() or not v.strip()):
+            raise ValueError("must not start or end with whitespace")
+        return v
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    max_body_bytes: ByteSize = Field(default=ByteSize(1 << 20), description="Larger request bodies get 413.")
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 5
+    upstream_timeout_s: Seconds = 600.0
+
+
+class StateSection(_Section):
+    directory: Path = Path("/var/lib/appliance")
+    log_prompts: bool = Field(default=False, description="Store prompt and completion text in the request log.")
+
+
+class EngineSection(_Section):
+    python: str = Field(default="", description="Interpreter that has vLLM installed; default: the appliance's own.")
+    port: Port = Field(default=0, description="Private loopback port for vLLM; 0 picks a free one.")
+    kv_cache_memory_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30), description="Exact KV pool size passed to vLLM (--kv-cache-memory-bytes)."
+    )
+    max_model_len: Annotated[int, Field(ge=16)] = 2048
+    max_num_seqs: Annotated[int, Field(ge=1)] = 16
+    enforce_eager: bool = False
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the vLLM command line.")
+    cache_dir: Path | None = Field(default=None, description="vLLM compile cache; default: <state>/engine-cache.")
+    startup_timeout_s: Seconds = 900.0
+    stop_grace_s: Seconds = 15.0
+    restart_backoff_initial_s: Seconds = 1.0
+    restart_backoff_max_s: Seconds = 60.0
+    max_failures: Annotated[int, Field(ge=1)] = 5
+    failure_window_s: Seconds = 600.0
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        owned = {"--model", "--port", "--host", "--served-model-name", "--api-key"}
+        for arg in v:
+            if arg.split("=", 1)[0] in owned:
+                raise ValueError(f"{arg.split('=', 1)[0]} is set by the appliance itself; remove it")
+        return v
+
+
+class RegionalSection(_Section):
+    """The regional OpenAI-compatible cluster reached over the backhaul (used by cascade)."""
+
+    enabled: bool = False
+    base_url: str = ""
+    model: str = ""
+    token_file: Path | None = None
+    ca_bundle: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    connect_timeout_s: Seconds = 3.0
+    read_timeout_s: Seconds = 120.0
+
+    @model_validator(mode="after")
+    def _url_when_enabled(self) -> "RegionalSection":
+        if self.enabled and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError("base_url must be an http:// or https:// URL when enabled = true")
+        return self
+
+
+class PolicySection(_Section):
+    """Escalation policy defaults (used by cascade)."""
+
+    escalate: Literal["never", "auto", "always"] = "never"
+    mode: Literal["sync", "async"] = "async"
+
+
+class AuthSection(_Section):
+    """Access control (API keys are managed in the state database)."""
+
+    require_keys: Literal["auto", "always", "never"] = Field(
+        default="auto", description="auto: keys required unless listening on loopback only."
+    )
+
+
+class Config(_Section):
+    model: ModelSection
+    server: ServerSection = Field(default_factory=ServerSection)
+    state: StateSection = Field(default_factory=StateSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    regional: RegionalSection = Field(default_factory=RegionalSection)
+    policy: PolicySection = Field(default_factory=PolicySection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+
+    source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
+
+    @property
+    def served_name(self) -> str:
+        return self.model.served_name or self.model.path.name
+
+    @property
+    def database_path(self) -> Path:
+        return self.state.directory / "appliance.db"
+
+    @property
+    def engine_cache_dir(self) -> Path:
+        return self.engine.cache_dir or self.state.directory / "engine-cache"
+
+
+_PATH_FIELDS = {
+    ("model", "path"),
+    ("state", "directory"),
+    ("engine", "cache_dir"),
+    ("regional", "token_file"),
+    ("regional", "ca_bundle"),
+    ("regional", "client_cert"),
+    ("regional", "client_key"),
+}
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    for section, key in _PATH_FIELDS:
+        sec = raw.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
+            p = Path(os.path.expanduser(sec[key]))
+            sec[key] = str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = e["loc"][:-1]
+            allowed = _allowed_keys(parent)
+            lines.append(f"  {key}: unknown key; allowed here: {', '.join(allowed)}")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required but missing")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            hint = ""
+            if e["type"].startswith("byte_size"):
+                hint = '; use a byte size such as 1073741824, "512MiB" or "2GB"'
+            lines.append(f"  {key}: {e['msg']}{shown}{hint}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            break
+        model = field.annotation
+    return [name for name, f in model.model_fields.items() if not f.exclude]
+
+
+def parse(text: str, source: str = "<string>", base: Path | None = None) -> Config:
+    """Parse and validate TOML text. Raises ConfigError with a message naming the bad key."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source} is not valid TOML: {e}") from None
+    _resolve_paths(raw, base or Path.cwd())
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+    return cfg
+
+
+def config_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CONFIG_PATH
+
+
+def load(explicit: str | os.PathLike[str] | None = None) -> Config:
+    """Load the configuration from --config, $APPLIANCE_CONFIG or the default path."""
+    path = config_path(explicit)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"configuration file {path} does not exist; pass --config PATH or set {CONFIG_ENV}"
+        ) from None
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read configuration file {path}: {e}") from None
+    cfg = parse(text, source=str(path), base=path.parent.resolve())
+    cfg.source = path
+    return cfg
+
+
+def check_runtime(cfg: Config) -> list[str]:
+    """Problems that only show against the machine (missing model files, unwritable state)."""
+    problems: list[str] = []
+    mp = cfg.model.path
+    if not mp.is_dir():
+        problems.append(
+            f"model.path {mp} is not a folder; the appliance loads models only from local paths "
+            "(run `appliance model install-default` for the embedded default)"
+        )
+    elif not (mp / "config.json").is_file():
+        problems.append(f"model.path {mp} has no config.json: not a Hugging Face model folder")
+    elif not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
+        problems.append(f"model.path {mp} has no weight files (*.safetensors or *.bin)")
+    sd = cfg.state.directory
+    probe = sd if sd.exists() else sd.parent
+    if not os.access(probe, os.W_OK):
+        problems.append(f"state.directory {sd} is not writable by this user")
+    return problems

@@ -1,0 +1,83 @@
+"""Turn the configuration into the vLLM command line and environment.
+
+Pure: takes values, returns values. The supervisor runs what this builds.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from appliance.config import Config
+
+VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    internal_key: str = field(repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def build_launch(cfg: Config, port: int, internal_key: str, base_env: dict[str, str] | None = None) -> EngineLaunch:
+    """The exact child process the supervisor starts for this configuration."""
+    e = cfg.engine
+    python = e.python or sys.executable
+    argv = [
+        python,
+        "-m",
+        VLLM_ENTRYPOINT,
+        "--model",
+        str(cfg.model.path),
+        "--served-model-name",
+        cfg.served_name,
+        # The engine's port is private: loopback only, whatever the appliance listens on.
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # An explicit pool size, so the engine never profiles and guesses differently from the plan.
+        "--kv-cache-memory-bytes",
+        str(int(e.kv_cache_memory_bytes)),
+        "--max-model-len",
+        str(e.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        # The appliance keeps its own per-request log; vLLM's access log would duplicate it.
+        "--disable-uvicorn-access-log",
+    ]
+    if e.enforce_eager:
+        argv.append("--enforce-eager")
+    argv.extend(e.extra_args)
+
+    env = dict(os.environ if base_env is None else base_env)
+    env.update(
+        {
+            # No model hub, ever: models load from local paths only.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cfg.engine_cache_dir),
+            # Passed by environment, not argv, so it does not show in `ps`.
+            "VLLM_API_KEY": internal_key,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    # VLLM_CPU_KVCACHE_SPACE silently overrides --kv-cache-memory-bytes on the CPU
+    # backend (ENGINE-NOTES.md); the plan's figure must win.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return EngineLaunch(argv=argv, env=env, port=port, internal_key=internal_key)
+
+
+def describe(launch: EngineLaunch) -> str:
+    """The command line as an operator would type it (no secrets: the key is in env)."""
+    return shlex.join(launch.argv)

@@ -1,0 +1,349 @@
+"""Runs exactly one vLLM child, knows its state, restarts it with back-off, and never leaves it behind.
+
+Lifecycle of one attempt: spawn (through the guard, see guard.py) -> stream its
+log -> poll /health until 200 -> READY -> wait for exit. On exit the reason is
+taken from the exit status and the last log lines; the supervisor restarts
+with exponential back-off until `max_failures` deaths fall inside
+`failure_window_s`, then reports FAILED and stops trying (the daemon exits
+non-zero so systemd and the operator see it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from appliance.config import Config
+from appliance.engine.args import EngineLaunch, build_launch, describe
+from appliance.engine.guard import EXIT_LINE_PREFIX
+
+log = logging.getLogger("appliance.engine")
+engine_log = logging.getLogger("appliance.engine.vllm")
+
+_ERROR_LINE = re.compile(r"(Error|Exception)\b|\bERROR\b|error:")
+_PGID_RE = re.compile(re.escape(EXIT_LINE_PREFIX) + r" engine pgid (\d+)")
+_STATUS_HINTS = [
+    # (pattern in the last log lines, what an operator should do)
+    (re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I),
+     "the engine ran out of memory: lower engine.kv_cache_memory_bytes or engine.max_num_seqs"),
+    (re.compile(r"No module named '?vllm'?"), "vLLM is not installed for engine.python; run `make setup`"),
+    (re.compile(r"(does not appear to have|Can't load|not a valid model|Invalid repository ID)", re.I),
+     "the model folder could not be loaded; check model.path"),
+    (re.compile(r"Address already in use"), "engine.port is taken; set engine.port = 0 to pick a free one"),
+    (re.compile(r"max_model_len.*(greater|larger|exceeds)", re.I),
+     "engine.max_model_len is larger than the model or the KV pool allows"),
+]
+
+
+class EngineState(str, enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+@dataclass
+class EngineStatus:
+    state: EngineState = EngineState.STOPPED
+    reason: str = "not started"
+    since: float = field(default_factory=time.time)
+    restarts: int = 0
+    pid: int | None = None
+    last_exit: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state.value,
+            "reason": self.reason,
+            "since": self.since,
+            "restarts": self.restarts,
+            "pid": self.pid,
+            "last_exit": self.last_exit,
+        }
+
+
+StateListener = Callable[[EngineStatus], Awaitable[None] | None]
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def explain_exit(returncode: int, last_lines: list[str]) -> str:
+    """One sentence for the operator: how the engine ended and, when we can tell, what to do."""
+    guard_line = next(
+        (l for l in reversed(last_lines) if l.startswith(EXIT_LINE_PREFIX) and not _PGID_RE.match(l)), None
+    )
+    if guard_line:
+        how = guard_line[len(EXIT_LINE_PREFIX):].strip()
+    elif returncode < 0:
+        how = f"engine guard killed by signal {signal.Signals(-returncode).name}"
+    else:
+        how = f"engine exited with status {returncode}"
+    tail = "\n".join(last_lines)
+    for pattern, hint in _STATUS_HINTS:
+        if pattern.search(tail):
+            return f"{how}: {hint}"
+    errors = [l for l in last_lines if _ERROR_LINE.search(l) and not l.startswith(EXIT_LINE_PREFIX)]
+    if errors:
+        return f"{how}; last error: {errors[-1].strip()[:300]}"
+    return how
+
+
+async def _exit_status(proc: asyncio.subprocess.Process) -> int:
+    """The guard's exit status, as soon as it has exited.
+
+    Not proc.wait(): asyncio resolves that only once every pipe has closed too, and
+    an engine process orphaned by a killed guard keeps the log pipe open.
+    """
+    while proc.returncode is None:
+        await asyncio.sleep(0.1)
+    return proc.returncode
+
+
+class EngineSupervisor:
+    def __init__(self, cfg: Config, *, guard_python: str | None = None) -> None:
+        self.cfg = cfg
+        self.internal_key = secrets.token_urlsafe(32)
+        self.status = EngineStatus()
+        self.launch: EngineLaunch | None = None
+        self.gave_up = asyncio.Event()
+        self.last_lines: deque[str] = deque(maxlen=60)
+        self._guard_python = guard_python or sys.executable
+        self._listeners: list[StateListener] = []
+        self._proc: asyncio.subprocess.Process | None = None
+        self._engine_pgid: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._failures: deque[float] = deque()
+        self._log_line_hooks: list[Callable[[str], None]] = []
+
+    # -- public surface -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is EngineState.READY
+
+    @property
+    def base_url(self) -> str | None:
+        return self.launch.base_url if self.launch else None
+
+    def add_listener(self, fn: StateListener) -> None:
+        self._listeners.append(fn)
+
+    def add_log_hook(self, fn: Callable[[str], None]) -> None:
+        """Called with every engine log line (for parsers of vLLM's startup figures)."""
+        self._log_line_hooks.append(fn)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-supervisor")
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        ready = asyncio.create_task(self._ready.wait())
+        gave_up = asyncio.create_task(self.gave_up.wait())
+        try:
+            await asyncio.wait({ready, gave_up}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            gave_up.cancel()
+        return self.ready
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self._set(EngineState.STOPPING, "appliance is stopping")
+        await self._terminate()
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._set(EngineState.STOPPED, "stopped")
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self.cfg.engine.restart_backoff_initial_s
+        first = True
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            reason = await self._one_attempt(first)
+            first = False
+            if self._stopping.is_set():
+                return
+            self.status.last_exit = reason
+            now = time.monotonic()
+            self._failures.append(now)
+            while self._failures and now - self._failures[0] > self.cfg.engine.failure_window_s:
+                self._failures.popleft()
+            if len(self._failures) >= self.cfg.engine.max_failures:
+                await self._set(
+                    EngineState.FAILED,
+                    f"engine failed {len(self._failures)} times within {self.cfg.engine.failure_window_s:g}s; "
+                    f"giving up. Last: {reason}",
+                )
+                log.error("%s", self.status.reason)
+                self.gave_up.set()
+                return
+            # A long healthy run resets the back-off: this death is news, not a crash loop.
+            if now - started > self.cfg.engine.restart_backoff_max_s * 2:
+                backoff = self.cfg.engine.restart_backoff_initial_s
+            self.status.restarts += 1
+            await self._set(EngineState.RESTARTING, f"{reason}; restarting in {backoff:g}s")
+            log.warning("engine died (%s); restart %d in %.1fs", reason, self.status.restarts, backoff)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=backoff)
+            backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max_s)
+
+    async def _one_attempt(self, first: bool) -> str:
+        port = self.cfg.engine.port or free_loopback_port()
+        self.launch = build_launch(self.cfg, port, self.internal_key)
+        self.last_lines.clear()
+        self._engine_pgid = None
+        if first:
+            await self._set(EngineState.STARTING, "loading model")
+        else:
+            self.status.reason = f"{self.status.reason.split(';')[0]}; loading model again"
+        log.info("starting engine on 127.0.0.1:%d: %s", port, describe(self.launch))
+        argv = [
+            self._guard_python, "-m", "appliance.engine.guard",
+            "--parent-pid", str(os.getpid()),
+            "--grace", str(self.cfg.engine.stop_grace_s),
+            "--", *self.launch.argv,
+        ]
+        self.cfg.engine_cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env=self.launch.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                limit=1 << 20,
+            )
+        except OSError as e:
+            return f"cannot start the engine guard: {e}"
+        self.status.pid = self._proc.pid
+        pump = asyncio.create_task(self._pump_logs(self._proc))
+        exited = asyncio.create_task(_exit_status(self._proc))
+        healthy = asyncio.create_task(self._wait_healthy(self.launch.base_url))
+        done, _ = await asyncio.wait(
+            {exited, healthy}, timeout=self.cfg.engine.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if healthy in done and healthy.result():
+            self._ready.set()
+            await self._set(EngineState.READY, "serving")
+            log.info("engine ready on 127.0.0.1:%d", port)
+            await exited
+        elif not done:
+            healthy.cancel()
+            log.error("engine not healthy after %.0fs; stopping it", self.cfg.engine.startup_timeout_s)
+            await self._terminate()
+            await exited
+            await self._drain(pump)
+            return f"engine did not become healthy within {self.cfg.engine.startup_timeout_s:g}s"
+        else:
+            healthy.cancel()
+        self._ready.clear()
+        # If the guard itself was killed, engine processes may still run and hold the log pipe:
+        # kill them first, then read what is left of their log.
+        self._kill_leftovers()
+        await self._drain(pump)
+        rc = exited.result()
+        self.status.pid = None
+        return explain_exit(rc, list(self.last_lines))
+
+    async def _drain(self, pump: asyncio.Task[None]) -> None:
+        try:
+            await asyncio.wait_for(pump, timeout=5)
+        except asyncio.TimeoutError:
+            log.warning("engine log pipe still open 5s after the engine exited; not waiting for it")
+
+    async def _wait_healthy(self, base_url: str) -> bool:
+        async with httpx.AsyncClient(base_url=base_url, timeout=2.0) as client:
+            while True:
+                try:
+                    r = await client.get("/health")
+                    if r.status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.5)
+
+    async def _pump_logs(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            try:
+                raw = await proc.stdout.readline()
+            except ValueError:  # a line longer than the limit: skip it, keep reading
+                continue
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            self.last_lines.append(line)
+            m = _PGID_RE.search(line)
+            if m:
+                self._engine_pgid = int(m.group(1))
+            engine_log.info("%s", line)
+            for hook in self._log_line_hooks:
+                try:
+                    hook(line)
+                except Exception:
+                    log.exception("engine log hook failed")
+
+    async def _terminate(self) -> None:
+        """SIGTERM the guard (it forwards to the engine's group, then SIGKILLs after the grace period)."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            self._kill_leftovers()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(_exit_status(proc), timeout=self.cfg.engine.stop_grace_s + 5)
+        except asyncio.TimeoutError:
+            log.error("engine guard did not stop; killing the engine's process group")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await _exit_status(proc)
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        # Belt and braces: the guard already did this unless it was itself killed.
+        if self._engine_pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._engine_pgid, signal.SIGKILL)
+
+    async def _set(self, state: EngineState, reason: str) -> None:
+        if state is not self.status.state:
+            self.status.since = time.time()
+        self.status.state = state
+        self.status.reason = reason
+        for fn in self._listeners:
+            try:
+                res = fn(self.status)
+                if asyncio.iscoroutine(res):
+                    await res
+            except Exception:
+                log.exception("engine state listener failed")

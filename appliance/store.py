@@ -1,0 +1,152 @@
+"""State database (SQLite via sqlite-utils): schema, migrations and the request log.
+
+The request log is written by one background thread fed through a queue, so no
+SQLite call (and no fsync) ever runs on the event loop or delays a response.
+Rows are queued only after the response has been sent; a crash can lose at most
+the rows still in the queue, never a client's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    id: str
+    ts: float
+    route: str
+    model: str | None
+    status: int
+    stream: bool
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    error_code: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def open_db(path: Path) -> sqlite_utils.Database:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_utils.Database(path)
+    db.enable_wal()
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA busy_timeout=5000")
+    migrate(db)
+    return db
+
+
+def migrate(db: sqlite_utils.Database) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version >= SCHEMA_VERSION:
+        return
+    with db.conn:
+        if version < 1:
+            db["requests"].create(
+                {
+                    "id": str,
+                    "ts": float,
+                    "route": str,
+                    "model": str,
+                    "status": int,
+                    "stream": int,
+                    "prompt_tokens": int,
+                    "completion_tokens": int,
+                    "ttft_ms": float,
+                    "total_ms": float,
+                    "error_code": str,
+                    "prompt": str,
+                    "completion": str,
+                },
+                pk="id",
+                if_not_exists=True,
+            )
+            db["requests"].create_index(["ts"], if_not_exists=True)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+
+class RequestLog:
+    """Asynchronous, batched writer of RequestRecord rows."""
+
+    _STOP = object()
+
+    def __init__(self, path: Path, keep_text: bool) -> None:
+        self.path = path
+        self.keep_text = keep_text
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="request-log", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._error:
+            raise self._error
+
+    def record(self, rec: RequestRecord) -> None:
+        if not self.keep_text:
+            rec.prompt = None
+            rec.completion = None
+        self._q.put(rec)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._q.put(self._STOP)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            db = open_db(self.path)
+        except BaseException as e:  # reported to start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        table = db["requests"]
+        stop = False
+        while not stop:
+            batch = [self._q.get()]
+            while True:  # drain what is already queued into one transaction
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            rows = []
+            for item in batch:
+                if item is self._STOP:
+                    stop = True
+                    continue
+                row = asdict(item)
+                row.pop("extra")
+                row["stream"] = int(row["stream"])
+                rows.append(row)
+            if rows:
+                try:
+                    with db.atomic():
+                        table.insert_all(rows, replace=True)
+                except Exception:
+                    log.exception("could not write %d request-log rows", len(rows))
+        db.close()
+
+
+def recent_requests(path: Path, limit: int = 50) -> list[dict[str, Any]]:
+    db = open_db(path)
+    try:
+        return list(db["requests"].rows_where(order_by="ts desc", limit=limit))
+    finally:
+        db.close()

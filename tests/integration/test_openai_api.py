@@ -1,0 +1,265 @@
+"""The official openai client against the real appliance and the real vLLM CPU engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support import RunningAppliance, wait_for
+
+pytestmark = pytest.mark.engine
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == ERROR_KEYS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def _running(appliance: RunningAppliance) -> float:
+    text = httpx.get(f"{appliance.engine_url}/metrics", timeout=5).text
+    m = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    assert m, "engine exports vllm:num_requests_running"
+    return float(m.group(1))
+
+
+def test_health_and_readiness(appliance: RunningAppliance):
+    assert httpx.get(f"{appliance.url}/healthz").json()["status"] == "alive"
+    r = httpx.get(f"{appliance.url}/readyz")
+    assert r.status_code == 200 and r.json()["engine"]["state"] == "ready"
+
+
+def test_models_lists_the_served_model(oai: openai.OpenAI, appliance: RunningAppliance):
+    ids = [m.id for m in oai.models.list().data]
+    assert ids == [appliance.served_name]
+
+
+def test_chat_completion(oai: openai.OpenAI, appliance: RunningAppliance):
+    r = oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content.strip()
+    assert r.usage.prompt_tokens > 5 and 1 <= r.usage.completion_tokens <= 8
+    assert r.choices[0].logprobs is None  # not asked for, not returned
+
+
+def test_completion(oai: openai.OpenAI, appliance: RunningAppliance):
+    r = oai.completions.create(model=appliance.served_name, prompt="The capital of France is", max_tokens=4,
+                               temperature=0)
+    assert r.choices[0].text.strip()
+    assert r.usage.completion_tokens == 4 or r.choices[0].finish_reason == "stop"
+
+
+def test_chat_stream_without_usage_hides_the_usage_event(oai: openai.OpenAI, appliance: RunningAppliance):
+    chunks = list(oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=8,
+                                              temperature=0, stream=True))
+    assert len(chunks) >= 3
+    assert all(c.usage is None for c in chunks), "the appliance asked vLLM for usage itself; the client did not"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+
+
+def test_chat_stream_with_usage(oai: openai.OpenAI, appliance: RunningAppliance):
+    chunks = list(oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=6,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+
+
+def test_completion_stream(oai: openai.OpenAI, appliance: RunningAppliance):
+    chunks = list(oai.completions.create(model=appliance.served_name, prompt="Once upon a time", max_tokens=5,
+                                         temperature=0, stream=True))
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 1
+
+
+def test_stream_is_relayed_incrementally_not_buffered(appliance: RunningAppliance):
+    body = {"model": appliance.served_name, "prompt": "Count:", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    arrivals = []
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter() - t0)
+    assert len(arrivals) >= 40
+    # Buffered relaying would deliver every event at the end; relayed events spread over the generation.
+    assert arrivals[0] < 0.5 * arrivals[-1], arrivals[:3] + arrivals[-3:]
+
+
+def test_chat_logprobs(oai: openai.OpenAI, appliance: RunningAppliance):
+    r = oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=5, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        # greedy decoding picks a token with the top log-probability
+        assert tok.logprob >= max(t.logprob for t in tok.top_logprobs) - 1e-6
+
+
+def test_completion_logprobs_streamed(oai: openai.OpenAI, appliance: RunningAppliance):
+    chunks = list(oai.completions.create(model=appliance.served_name, prompt="Paris is the capital of",
+                                         max_tokens=3, temperature=0, logprobs=2, stream=True))
+    with_lp = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert with_lp and all(len(c.choices[0].logprobs.top_logprobs[0]) >= 1 for c in with_lp)
+
+
+def test_chat_logprobs_streamed(oai: openai.OpenAI, appliance: RunningAppliance):
+    chunks = list(oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=4,
+                                              temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(tokens) >= 1 and all(len(t.top_logprobs) == 2 for t in tokens)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_malformed_json_is_400(appliance: RunningAppliance):
+    r = httpx.post(f"{appliance.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert _error(r)["code"] == "invalid_json"
+
+
+def test_json_that_is_not_an_object_is_400(appliance: RunningAppliance):
+    r = httpx.post(f"{appliance.url}/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    "patch, param",
+    [
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"model": 7}, "model"),
+        ({"top_logprobs": 99}, "top_logprobs"),
+    ],
+)
+def test_wrong_types_are_422_naming_the_param(appliance: RunningAppliance, patch: dict, param: str):
+    body = {"model": appliance.served_name, "messages": QUESTION, **patch}
+    r = httpx.post(f"{appliance.url}/v1/chat/completions", json=body)
+    assert r.status_code == 422
+    err = _error(r)
+    assert err["param"].startswith(param) and err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(oai: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.chat.completions.create(model="gpt-nonexistent", messages=QUESTION, max_tokens=2)
+    assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
+
+
+def test_body_over_limit_is_413(appliance: RunningAppliance):
+    big = {"model": appliance.served_name, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(f"{appliance.url}/v1/chat/completions", json=big)
+    assert r.status_code == 413 and _error(r)["code"] == "body_too_large"
+
+
+def test_body_over_limit_without_content_length_is_413(appliance: RunningAppliance):
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = httpx.post(f"{appliance.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and _error(r)["code"] == "body_too_large"
+
+
+def test_engine_rejection_keeps_status_and_gets_openai_shape(oai: openai.OpenAI, appliance: RunningAppliance):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=99999)
+    err = exc.value.body
+    assert set(err) == ERROR_KEYS
+    assert err["type"] == "invalid_request_error" and err["param"] == "max_tokens"
+    assert "max_model_len" in err["message"]
+
+
+def test_unknown_route_and_wrong_method(appliance: RunningAppliance):
+    r = httpx.get(f"{appliance.url}/v1/nothing-here")
+    assert r.status_code == 404 and _error(r)["code"] == "not_found"
+    r = httpx.delete(f"{appliance.url}/v1/models")
+    assert r.status_code == 405 and _error(r)["code"] == "method_not_allowed"
+
+
+# -- disconnects abort the upstream request ---------------------------------------------------
+
+
+def _long_request(appliance: RunningAppliance, stream: bool) -> dict:
+    return {"model": appliance.served_name, "prompt": "Tell a very long story.", "max_tokens": 1800,
+            "ignore_eos": True, "temperature": 0, "stream": stream}
+
+
+def test_stream_client_disconnect_aborts_engine_request(appliance: RunningAppliance):
+    wait_for(lambda: _running(appliance) == 0, 30, what="an idle engine")
+    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=_long_request(appliance, True), timeout=60) as r:
+        lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream (a disconnect)
+        assert next(line for line in lines if line.startswith("data: {"))
+        # the gauge follows the engine's steps; give it a moment to show the request
+        wait_for(lambda: _running(appliance) == 1, 10, what="the engine to report the request running")
+    # 1800 tokens take far longer than this on the CPU engine: only an abort empties it this fast.
+    wait_for(lambda: _running(appliance) == 0, 15, what="vLLM to abort the request")
+
+
+def test_nonstream_client_disconnect_aborts_engine_request(appliance: RunningAppliance):
+    wait_for(lambda: _running(appliance) == 0, 30, what="an idle engine")
+    saw_running = []
+
+    def watch() -> None:
+        saw_running.append(wait_for(lambda: _running(appliance) == 1, 10, what="the request to run"))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{appliance.url}/v1/completions", json=_long_request(appliance, False),
+                   timeout=httpx.Timeout(10, read=2))
+    watcher.join()
+    assert saw_running == [True]
+    wait_for(lambda: _running(appliance) == 0, 15, what="vLLM to abort the request")
+
+
+# -- request log -------------------------------------------------------------------------------
+
+
+def _rows(appliance: RunningAppliance) -> list[dict]:
+    db = appliance.config.parent / "state" / "appliance.db"
+    con = sqlite3.connect(db)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in con.execute("select * from requests")]
+    finally:
+        con.close()
+
+
+def test_request_log_has_one_row_per_request_without_text(appliance: RunningAppliance):
+    rid = "req-logtest-" + str(time.time_ns())
+    r = httpx.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid},
+                   json={"model": appliance.served_name, "messages": QUESTION, "max_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+    bad = httpx.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid + "-bad"},
+                     json={"model": "nope", "messages": QUESTION})
+    assert bad.status_code == 404
+
+    rows = wait_for(lambda: {r["id"]: r for r in _rows(appliance) if r["id"].startswith(rid)} or None, 10,
+                    what="request-log rows")
+    wait_for(lambda: len({r["id"] for r in _rows(appliance) if r["id"].startswith(rid)}) == 2, 10, what="both rows")
+    rows = {r["id"]: r for r in _rows(appliance) if r["id"].startswith(rid)}
+    ok = rows[rid]
+    assert ok["status"] == 200 and ok["stream"] == 1 and ok["model"] == appliance.served_name
+    assert ok["prompt_tokens"] > 5 and 1 <= ok["completion_tokens"] <= 4
+    assert 0 < ok["ttft_ms"] <= ok["total_ms"]
+    assert ok["prompt"] is None and ok["completion"] is None, "no text unless the configuration asks"
+    rejected = rows[rid + "-bad"]
+    assert rejected["status"] == 404 and rejected["error_code"] == "model_not_found"
+    assert "capital of France" not in json.dumps(list(rows.values()))

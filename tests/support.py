@@ -1,0 +1,171 @@
+"""Start the real appliance (real vLLM CPU engine) as a subprocess, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_model_path() -> Path:
+    from appliance.default_model import default_model_dir, install_default, is_converted
+
+    path = Path(os.environ.get("APPLIANCE_TEST_MODEL", default_model_dir()))
+    if not is_converted(path) and not (path / "config.json").is_file():
+        install_default(path)
+    return path
+
+
+def shared_engine_cache() -> Path:
+    """vLLM's compile cache, kept between runs so only the first run pays for compilation."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "appliance" / "test-engine-cache"
+
+
+def write_config(directory: Path, *, port: int | None = None, engine_port: int | None = None,
+                 served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
+                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "appliance.toml"
+    path.write_text(
+        f"""
+[model]
+path = "{default_model_path()}"
+served_name = "{served_name}"
+
+[server]
+host = "127.0.0.1"
+port = {port or free_port()}
+retry_after_s = 3
+
+[state]
+directory = "{directory / 'state'}"
+
+[engine]
+port = {engine_port or free_port()}
+kv_cache_memory_bytes = "1GiB"
+max_model_len = 2048
+max_num_seqs = {max_num_seqs}
+enforce_eager = {str(enforce_eager).lower()}
+cache_dir = "{shared_engine_cache()}"
+stop_grace_s = 10
+restart_backoff_initial_s = 1
+{engine_extra}
+{extra}
+"""
+    )
+    return path
+
+
+@dataclass
+class RunningAppliance:
+    config: Path
+    proc: subprocess.Popen
+    log_path: Path
+    port: int
+    engine_port: int
+    served_name: str
+    _log_file: object = field(repr=False, default=None)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"appliance exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"appliance not ready after {timeout}s:\n{self.log_text()[-4000:]}")
+
+    def guard(self) -> psutil.Process:
+        return next(p for p in self.descendants() if "appliance.engine.guard" in " ".join(p.cmdline()))
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def engine_processes(self) -> list[psutil.Process]:
+        """The vLLM API server and its EngineCore (the guard excluded)."""
+        out = []
+        for p in self.descendants():
+            try:
+                cmd = " ".join(p.cmdline())
+                if "appliance.engine.guard" in cmd:
+                    continue
+                if "vllm" in cmd or "EngineCore" in p.name() or "EngineCore" in cmd:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log_file:
+            self._log_file.close()
+        return self.proc.returncode
+
+
+def start_appliance(directory: Path, **config_kwargs) -> RunningAppliance:
+    cfg_path = write_config(directory, **config_kwargs)
+    import tomllib
+
+    raw = tomllib.loads(cfg_path.read_text())
+    log_path = directory / "appliance.log"
+    log_file = open(log_path, "wb")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg_path)],
+        stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+    )
+    return RunningAppliance(
+        config=cfg_path, proc=proc, log_path=log_path, port=raw["server"]["port"],
+        engine_port=raw["engine"]["port"], served_name=raw["model"]["served_name"], _log_file=log_file,
+    )
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

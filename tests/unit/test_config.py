@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance import config
+
+MINIMAL = '[model]\npath = "models/m"\n'
+
+
+def test_minimal_file_gets_documented_defaults(tmp_path: Path):
+    cfg = config.parse(MINIMAL, base=tmp_path)
+    assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
+    assert cfg.model.path == (tmp_path / "models/m").resolve()
+    assert cfg.served_name == "m"
+    assert int(cfg.engine.kv_cache_memory_bytes) == 1 << 30
+    assert cfg.database_path == Path("/var/lib/appliance/appliance.db")
+    assert cfg.policy.escalate == "never" and cfg.auth.require_keys == "auto"
+
+
+def test_sizes_accept_units(tmp_path: Path):
+    cfg = config.parse(MINIMAL + '[engine]\nkv_cache_memory_bytes = "2GiB"\n[server]\nmax_body_bytes = "64KB"\n')
+    assert int(cfg.engine.kv_cache_memory_bytes) == 2 * 1024**3
+    assert int(cfg.server.max_body_bytes) == 64_000
+
+
+def test_home_is_expanded_and_relative_paths_follow_the_file(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config.parse('[model]\npath = "~/m"\n[state]\ndirectory = "st"\n', base=tmp_path / "etc")
+    assert cfg.model.path == tmp_path / "m"
+    assert cfg.state.directory == (tmp_path / "etc" / "st").resolve()
+
+
+@pytest.mark.parametrize(
+    "text, key, hint",
+    [
+        (MINIMAL + "[server]\nport = 70000\n", "server.port", "less than or equal to 65535"),
+        (MINIMAL + "[engine]\nmax_num_seqs = 0\n", "engine.max_num_seqs", "greater than or equal to 1"),
+        (MINIMAL + '[engine]\nkv_cache_memory_bytes = "lots"\n', "engine.kv_cache_memory_bytes", "byte size"),
+        (MINIMAL + '[policy]\nescalate = "sometimes"\n', "policy.escalate", "'never', 'auto' or 'always'"),
+        (MINIMAL + "[server]\nprot = 1\n", "server.prot", "allowed here: host, port"),
+        (MINIMAL + "[surver]\nport = 1\n", "surver", "allowed here: model, server"),
+        ("[server]\nport = 1\n", "model", "required but missing"),
+        (MINIMAL + '[engine]\nextra_args = ["--port=9"]\n', "engine.extra_args", "set by the appliance"),
+        (MINIMAL + '[regional]\nenabled = true\nbase_url = "ftp://x"\n', "regional", "http:// or https://"),
+    ],
+)
+def test_invalid_values_name_the_key_and_what_is_allowed(text: str, key: str, hint: str):
+    with pytest.raises(config.ConfigError) as exc:
+        config.parse(text, source="site.toml")
+    msg = str(exc.value)
+    assert "site.toml" in msg and f"  {key}:" in msg and hint in msg
+
+
+def test_malformed_toml_says_where():
+    with pytest.raises(config.ConfigError, match=r"not valid TOML.*line 2"):
+        config.parse('[model]\npath = "unterminated\n', source="x.toml")
+
+
+def test_missing_file_says_how_to_point_at_one(tmp_path: Path):
+    with pytest.raises(config.ConfigError, match=r"does not exist; pass --config PATH or set APPLIANCE_CONFIG"):
+        config.load(tmp_path / "nope.toml")
+
+
+def test_environment_chooses_the_file(tmp_path: Path, monkeypatch):
+    f = tmp_path / "a.toml"
+    f.write_text('[model]\npath = "/models/x"\nserved_name = "from-env"\n')
+    monkeypatch.setenv("APPLIANCE_CONFIG", str(f))
+    assert config.load().served_name == "from-env"
+    assert config.config_path("explicit.toml") == Path("explicit.toml")
+    monkeypatch.delenv("APPLIANCE_CONFIG")
+    assert config.config_path() == Path("/etc/appliance/appliance.toml")
+
+
+def test_runtime_check_reports_missing_model_folder(tmp_path: Path):
+    cfg = config.parse(f'[model]\npath = "{tmp_path}/absent"\n[state]\ndirectory = "{tmp_path}/s"\n')
+    problems = config.check_runtime(cfg)
+    assert len(problems) == 1 and "not a folder" in problems[0] and "install-default" in problems[0]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "appliance.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_config_check_command(tmp_path: Path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    good = tmp_path / "good.toml"
+    good.write_text(f'[model]\npath = "m"\n[state]\ndirectory = "state"\n')
+    r = _cli("config", "check", "--config", str(good))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npath = "m"\n[engine]\nmax_model_len = "long"\n')
+    r = _cli("config", "check", "--config", str(bad))
+    assert r.returncode == 2 and "engine.max_model_len" in r.stderr and "Traceback" not in r.stderr
+
+    r = _cli("config", "check", "--config", str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+    empty = tmp_path / "empty-model.toml"
+    empty.write_text(f'[model]\npath = "{tmp_path}/nothing"\n')
+    r = _cli("config", "check", "--config", str(empty))
+    assert r.returncode == 1 and "model.path" in r.stderr
+
+
+def test_serve_refuses_a_missing_model_before_starting_anything(tmp_path: Path):
+    f = tmp_path / "a.toml"
+    f.write_text(f'[model]\npath = "{tmp_path}/nothing"\n[state]\ndirectory = "{tmp_path}/s"\n')
+    r = _cli("serve", "--config", str(f))
+    assert r.returncode == 2 and "model.path" in r.stderr and "install-default" in r.stderr

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance import config
+from appliance.engine.args import build_launch, describe
+
+
+def _cfg(extra: str = "") -> config.Config:
+    return config.parse(
+        '[model]\npath = "/models/smol"\nserved_name = "smol"\n'
+        '[state]\ndirectory = "/var/lib/appliance"\n'
+        '[engine]\nkv_cache_memory_bytes = "3GiB"\nmax_model_len = 4096\nmax_num_seqs = 8\n' + extra
+    )
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_command_line_carries_the_explicit_kv_size_and_limits():
+    launch = build_launch(_cfg(), port=41000, internal_key="k", base_env={})
+    argv = launch.argv
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--kv-cache-memory-bytes") == str(3 * 1024**3)
+    assert _flag(argv, "--max-model-len") == "4096"
+    assert _flag(argv, "--max-num-seqs") == "8"
+    assert _flag(argv, "--model") == "/models/smol"
+    assert _flag(argv, "--served-model-name") == "smol"
+    assert _flag(argv, "--host") == "127.0.0.1" and _flag(argv, "--port") == "41000"
+    assert "--enforce-eager" not in argv
+    assert launch.base_url == "http://127.0.0.1:41000"
+
+
+def test_engine_is_private_even_when_the_api_listens_everywhere():
+    launch = build_launch(_cfg('[server]\nhost = "0.0.0.0"\n'), port=1, internal_key="k", base_env={})
+    assert _flag(launch.argv, "--host") == "127.0.0.1"
+
+
+def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
+    launch = build_launch(_cfg(), port=1, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
+    env = launch.env
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_API_KEY"] == "sekrit"
+    assert "sekrit" not in " ".join(launch.argv) and "sekrit" not in describe(launch)
+    # It would silently override the explicit pool size on the CPU backend.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert env["VLLM_CACHE_ROOT"] == str(Path("/var/lib/appliance/engine-cache"))
+    assert env["PATH"] == "/bin"
+
+
+def test_extra_args_and_eager_are_appended():
+    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), port=1, internal_key="k",
+                          base_env={})
+    assert launch.argv[-3:] == ["--enforce-eager", "--seed", "7"]
