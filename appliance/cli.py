@@ -49,6 +49,8 @@ def serve(config_path: Path | None, log_level: str) -> None:
     from appliance import logs
     from appliance.daemon import serve as run_daemon
 
+    from appliance.planning import PlanningError, plan_for_config
+
     cfg = _load(config_path)
     problems = config_mod.check_runtime(cfg)
     if problems:
@@ -56,7 +58,12 @@ def serve(config_path: Path | None, log_level: str) -> None:
             click.echo(f"error: {p}", err=True)
         sys.exit(EXIT_USAGE)
     logs.setup(log_level.upper())
-    sys.exit(run_daemon(cfg))
+    try:
+        site_plan = plan_for_config(cfg)
+    except PlanningError as e:
+        click.echo(f"error: cannot plan the engine: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    sys.exit(run_daemon(cfg, site_plan))
 
 
 @main.group("config")
@@ -82,11 +89,129 @@ def config_check(config_path: Path | None) -> None:
 def config_show(config_path: Path | None) -> None:
     """Print the effective configuration (defaults filled in, paths resolved) and the engine command."""
     from appliance.engine.args import build_launch, describe
+    from appliance.planning import PlanningError, plan_for_config
 
     cfg = _load(config_path)
     data = json.loads(cfg.model_dump_json())
-    data["engine_command"] = describe(build_launch(cfg, cfg.engine.port or 0, internal_key="(generated at start)"))
+    try:
+        args = plan_for_config(cfg).plan.vllm_args
+        data["engine_command"] = describe(build_launch(cfg, args, cfg.engine.port or 0, internal_key="(at start)"))
+    except PlanningError as e:
+        data["engine_command"] = None
+        data["plan_error"] = str(e)
     click.echo(json.dumps(data, indent=2))
+
+
+def _size(value: str | None) -> int | None:
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    if value is None:
+        return None
+    try:
+        n = int(TypeAdapter(ByteSize).validate_python(value))
+    except ValidationError:
+        raise click.BadParameter(f"{value!r} is not a size; use bytes or a unit such as 96GiB or 102GB") from None
+    if n <= 0:
+        raise click.BadParameter(f"must be positive (got {value!r})")
+    return n
+
+
+@main.command("plan")
+@config_option
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="Model folder or config.json (default: model.path from --config).")
+@click.option("--gpu", "gpu_name", default=None, help='A named GPU profile, e.g. "RTX PRO 6000 Blackwell" (default: the GPU found by NVML).')
+@click.option("--gpu-memory", default=None, help="Plan for a card of this much memory, e.g. 96GiB.")
+@click.option("--gpu-cc", default="8.0", show_default=True, help="Compute capability of a --gpu-memory card.")
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64), help="GPUs (tensor parallel).")
+@click.option("--cpu", "cpu_backend", is_flag=True, help="Plan for vLLM's CPU backend (needs --kv-pool).")
+@click.option("--kv-pool", default=None, help="Fix the KV pool (bytes or e.g. 1GiB) instead of deriving it.")
+@click.option("--sessions", type=click.IntRange(min=1), default=None, help="Concurrent sessions wanted.")
+@click.option("--context", type=click.IntRange(min=16), default=None, help="Context per session, tokens.")
+@click.option("--workload", type=click.Choice(["chat", "code", "long-context", "tool-calling"]), default=None)
+@click.option("--kv-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp8", "fp4"]), default=None)
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="p50 TTFT target.")
+@click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="Time per output token target.")
+@click.option("--draft-model-bytes", default=None, help="Size of an EAGLE-3 draft the site provides (enables EAGLE).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_backend, kv_pool, sessions, context,
+             workload, kv_dtype, ttft_ms, tpot_ms, draft_model_bytes, as_json) -> None:
+    """Compute the KV budget and the vLLM settings for a model on a GPU, against the site's targets.
+
+    Exit 0 when every target is met, 1 when a target is missed or the model does not fit (the plan
+    says by how much and what would help), 2 for bad input.
+    """
+    from kvbudget.gpu import discover
+    from kvbudget.model import ModelError, read_model
+    from kvbudget.planner import PlanError, Platform, Targets, make_plan
+    from kvbudget.profiles import UnknownGpu, custom_profile, find_profile, profile_from_discovery
+    from kvbudget.render import plan_dict, plan_text
+
+    cfg = _load(config_path) if config_path or (model_path is None) else None
+    path = model_path or (cfg.model.path if cfg else None)
+    if path is None:
+        raise click.UsageError("give --model (or --config with model.path)")
+    base = Targets()
+    if cfg:
+        from appliance.planning import targets_from_config
+
+        base = targets_from_config(cfg)
+    targets = Targets(
+        sessions=sessions or base.sessions, context=context or base.context, workload=workload or base.workload,
+        kv_dtype=kv_dtype or base.kv_dtype, ttft_p50_ms=ttft_ms or base.ttft_p50_ms, tpot_ms=tpot_ms or base.tpot_ms,
+        draft_model_bytes=_size(draft_model_bytes),
+    )
+    try:
+        model = read_model(path)
+        pool = _size(kv_pool) if kv_pool else (
+            int(cfg.engine.kv_cache_memory_bytes) if cfg and cfg.engine.kv_cache_memory_bytes else None)
+        if cpu_backend:
+            gpu, platform = None, Platform("cpu")
+        else:
+            platform = Platform("gpu", gpu_count=gpus)
+            if gpu_name:
+                gpu = find_profile(gpu_name)
+            elif gpu_memory:
+                major, _, minor = gpu_cc.partition(".")
+                gpu = custom_profile(_size(gpu_memory), (int(major), int(minor or 0)))
+            else:
+                found = discover()
+                if not found.found:
+                    click.echo(f"error: {found.error}; name a GPU with --gpu (for example \"RTX PRO 6000 Blackwell\"), "
+                               "give --gpu-memory, or plan for --cpu", err=True)
+                    sys.exit(EXIT_USAGE)
+                gpu = profile_from_discovery(found.gpus[0])
+                platform = Platform("gpu", gpu_count=len(found.gpus) if gpus == 1 else gpus)
+        plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool,
+                         max_num_seqs=cfg.engine.max_num_seqs if cfg else None)
+    except (ModelError, PlanError, UnknownGpu, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(json.dumps(plan_dict(plan), indent=2) if as_json else plan_text(plan))
+    sys.exit(0 if plan.targets_met else 1)
+
+
+@main.command("gpus")
+@click.option("--json", "as_json", is_flag=True)
+def gpus_cmd(as_json: bool) -> None:
+    """What NVML finds: every GPU's memory, compute capability, bandwidth, MIG mode, other processes."""
+    from kvbudget.gpu import discover
+
+    d = discover()
+    if as_json:
+        click.echo(json.dumps(d.as_dict(), indent=2))
+    elif not d.found:
+        click.echo(f"no GPU: {d.error}")
+    else:
+        click.echo(f"driver {d.driver_version}, CUDA {d.cuda_version}")
+        for g in d.gpus:
+            bw = f"{g.peak_bandwidth_bytes_s / 1e9:,.0f} GB/s" if g.peak_bandwidth_bytes_s else "bandwidth unknown"
+            click.echo(f"  [{g.index}] {g.name}: {g.total_bytes / 2**20:,.0f} MiB total, {g.free_bytes / 2**20:,.0f} MiB free, "
+                       f"cc {g.compute_capability[0]}.{g.compute_capability[1]}, {bw}, MIG {g.mig_mode}, "
+                       f"other processes {g.other_process_bytes / 2**20:,.0f} MiB")
+    for p in d.problems:
+        click.echo(f"  problem: {p}", err=True)
+    sys.exit(0 if d.found else 1)
 
 
 @main.group("model")

@@ -69,11 +69,13 @@ class StateSection(_Section):
 class EngineSection(_Section):
     python: str = Field(default="", description="Interpreter that has vLLM installed; default: the appliance's own.")
     port: Port = Field(default=0, description="Private loopback port for vLLM; 0 picks a free one.")
-    kv_cache_memory_bytes: ByteSize = Field(
-        default=ByteSize(1 << 30), description="Exact KV pool size passed to vLLM (--kv-cache-memory-bytes)."
+    kv_cache_memory_bytes: ByteSize | None = Field(
+        default=None,
+        description="Exact KV pool passed to vLLM; unset: the plan sizes it from the GPU (required without a GPU).",
     )
-    max_model_len: Annotated[int, Field(ge=16)] = 2048
-    max_num_seqs: Annotated[int, Field(ge=1)] = 16
+    max_model_len: Annotated[int, Field(ge=16)] | None = Field(default=None, description="Unset: from the plan.")
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Unset: from the plan.")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.92
     enforce_eager: bool = False
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the vLLM command line.")
     cache_dir: Path | None = Field(default=None, description="vLLM compile cache; default: <state>/engine-cache.")
@@ -92,6 +94,17 @@ class EngineSection(_Section):
             if arg.split("=", 1)[0] in owned:
                 raise ValueError(f"{arg.split('=', 1)[0]} is set by the appliance itself; remove it")
         return v
+
+
+class TargetsSection(_Section):
+    """What the site needs; the planner turns it into engine settings (kvbudget)."""
+
+    sessions: Annotated[int, Field(ge=1)] | None = None
+    context: Annotated[int, Field(ge=16)] | None = None
+    workload: Literal["chat", "code", "long-context", "tool-calling"] = "chat"
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp4"] = "auto"
+    ttft_p50_ms: Annotated[float, Field(gt=0)] | None = None
+    tpot_ms: Annotated[float, Field(gt=0)] | None = None
 
 
 class RegionalSection(_Section):
@@ -134,6 +147,7 @@ class Config(_Section):
     server: ServerSection = Field(default_factory=ServerSection)
     state: StateSection = Field(default_factory=StateSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    targets: TargetsSection = Field(default_factory=TargetsSection)
     regional: RegionalSection = Field(default_factory=RegionalSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     auth: AuthSection = Field(default_factory=AuthSection)

@@ -22,8 +22,10 @@ import uvicorn
 from appliance.api.app import create_app
 from appliance.api.proxy import EngineProxy, GatewaySettings
 from appliance.config import Config
+from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.store import RequestLog
+from kvbudget.render import plan_dict
 
 log = logging.getLogger("appliance")
 
@@ -47,10 +49,11 @@ EXIT_ENGINE_FAILED = 1
 
 
 class Daemon:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, site_plan: SitePlan) -> None:
         self.cfg = cfg
+        self.site_plan = site_plan
         self.request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
-        self.supervisor = EngineSupervisor(cfg)
+        self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
         self.proxy = EngineProxy(
             self.supervisor,
             GatewaySettings(
@@ -61,7 +64,7 @@ class Daemon:
             ),
             self.request_log,
         )
-        self.app = create_app(self.proxy)
+        self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan))
 
     @property
     def api_url(self) -> str:
@@ -70,6 +73,7 @@ class Daemon:
         return f"http://{shown}:{self.cfg.server.port}/v1"
 
     async def run(self) -> int:
+        self._log_plan()
         self.cfg.state.directory.mkdir(parents=True, exist_ok=True)
         self.request_log.start()
         server = _ApiServer(
@@ -110,6 +114,19 @@ class Daemon:
             self.request_log.close()
             log.info("stopped")
 
+    def _log_plan(self) -> None:
+        p = self.site_plan.plan
+        where = self.site_plan.discovery.error or ", ".join(g.name for g in self.site_plan.discovery.gpus)
+        log.info("devices: %s", where)
+        if p.capacity:
+            log.info("plan: KV pool %d bytes, %d blocks of %d tokens, %s tokens, max concurrency %.2f at %d tokens",
+                     p.memory.kv_pool, p.capacity.num_blocks, p.layout.block_size if p.layout else 0,
+                     f"{p.capacity.tokens_reported:,}", p.capacity.max_concurrency, p.engine.max_model_len)
+        for f in p.findings:
+            log.warning("plan: target %s not met: wanted %s, got %s; options: %s", f.target, f.wanted, f.achieved,
+                        "; ".join(f.remedies))
+        log.info("plan: engine arguments %s", " ".join(p.vllm_args))
+
     def _on_stop_signal(self, server: uvicorn.Server, sig: signal.Signals) -> None:
         log.info("received %s: stopping", sig.name)
         server.should_exit = True
@@ -121,9 +138,10 @@ class Daemon:
             log.info("engine %s: %s", st.state.value, st.reason)
 
 
-def serve(cfg: Config) -> int:
+def serve(cfg: Config, site_plan: SitePlan) -> int:
+    daemon = Daemon(cfg, site_plan)
     try:
         import uvloop
     except ImportError:  # uvloop is optional; asyncio's own loop works, a little slower
-        return asyncio.run(Daemon(cfg).run())
-    return uvloop.run(Daemon(cfg).run())
+        return asyncio.run(daemon.run())
+    return uvloop.run(daemon.run())

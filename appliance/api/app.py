@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from appliance import __version__
-from appliance.api.errors import install_handlers
+from appliance.api.errors import ApiError, install_handlers
 from appliance.api.proxy import EngineProxy
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
 
 
-def create_app(proxy: EngineProxy) -> FastAPI:
+def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     app = FastAPI(
         title="Edge LLM appliance",
         version=__version__,
@@ -37,6 +38,13 @@ def create_app(proxy: EngineProxy) -> FastAPI:
         if st.state is EngineState.READY:
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(proxy.settings.retry_after_s)})
+
+    @app.get("/v1/appliance/plan")
+    async def appliance_plan() -> dict[str, Any]:
+        """The KV budget and engine settings the daemon started the engine with."""
+        if plan is None:
+            raise ApiError(404, "no plan in this daemon", code="not_found")
+        return plan()
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

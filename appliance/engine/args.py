@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from appliance.config import Config
@@ -27,8 +28,14 @@ class EngineLaunch:
         return f"http://127.0.0.1:{self.port}"
 
 
-def build_launch(cfg: Config, port: int, internal_key: str, base_env: dict[str, str] | None = None) -> EngineLaunch:
-    """The exact child process the supervisor starts for this configuration."""
+def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key: str,
+                 base_env: dict[str, str] | None = None) -> EngineLaunch:
+    """The exact child process the supervisor starts: the configuration plus the plan's engine settings.
+
+    plan_args come from kvbudget (--kv-cache-memory-bytes, --max-model-len, --max-num-seqs and,
+    where they apply, --kv-cache-dtype, --speculative-config, parallelism): an explicit pool size,
+    so the engine never profiles and guesses differently from the plan.
+    """
     e = cfg.engine
     python = e.python or sys.executable
     argv = [
@@ -44,13 +51,7 @@ def build_launch(cfg: Config, port: int, internal_key: str, base_env: dict[str, 
         "127.0.0.1",
         "--port",
         str(port),
-        # An explicit pool size, so the engine never profiles and guesses differently from the plan.
-        "--kv-cache-memory-bytes",
-        str(int(e.kv_cache_memory_bytes)),
-        "--max-model-len",
-        str(e.max_model_len),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
+        *plan_args,
         # The appliance keeps its own per-request log; vLLM's access log would duplicate it.
         "--disable-uvicorn-access-log",
     ]

@@ -22,8 +22,9 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -120,8 +121,9 @@ async def _exit_status(proc: asyncio.subprocess.Process) -> int:
 
 
 class EngineSupervisor:
-    def __init__(self, cfg: Config, *, guard_python: str | None = None) -> None:
+    def __init__(self, cfg: Config, engine_args: Sequence[str], *, guard_python: str | None = None) -> None:
         self.cfg = cfg
+        self.engine_args = list(engine_args)
         self.internal_key = secrets.token_urlsafe(32)
         self.status = EngineStatus()
         self.launch: EngineLaunch | None = None
@@ -154,7 +156,16 @@ class EngineSupervisor:
         """Called with every engine log line (for parsers of vLLM's startup figures)."""
         self._log_line_hooks.append(fn)
 
+    @property
+    def key_file(self) -> Path:
+        """The internal key, readable only by the appliance's user, for debugging the engine directly."""
+        return self.cfg.state.directory / "engine.key"
+
     async def start(self) -> None:
+        self.cfg.state.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.internal_key + "\n")
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
@@ -215,7 +226,7 @@ class EngineSupervisor:
 
     async def _one_attempt(self, first: bool) -> str:
         port = self.cfg.engine.port or free_loopback_port()
-        self.launch = build_launch(self.cfg, port, self.internal_key)
+        self.launch = build_launch(self.cfg, self.engine_args, port, self.internal_key)
         self.last_lines.clear()
         self._engine_pgid = None
         if first:

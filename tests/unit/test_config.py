@@ -16,7 +16,8 @@ def test_minimal_file_gets_documented_defaults(tmp_path: Path):
     assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
     assert cfg.model.path == (tmp_path / "models/m").resolve()
     assert cfg.served_name == "m"
-    assert int(cfg.engine.kv_cache_memory_bytes) == 1 << 30
+    assert cfg.engine.kv_cache_memory_bytes is None  # from the plan
+    assert cfg.targets.workload == "chat" and cfg.targets.kv_dtype == "auto"
     assert cfg.database_path == Path("/var/lib/appliance/appliance.db")
     assert cfg.policy.escalate == "never" and cfg.auth.require_keys == "auto"
 

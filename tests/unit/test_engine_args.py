@@ -6,11 +6,13 @@ from appliance import config
 from appliance.engine.args import build_launch, describe
 
 
+PLAN_ARGS = ["--kv-cache-memory-bytes", str(3 * 1024**3), "--max-model-len", "4096", "--max-num-seqs", "8"]
+
+
 def _cfg(extra: str = "") -> config.Config:
     return config.parse(
-        '[model]\npath = "/models/smol"\nserved_name = "smol"\n'
-        '[state]\ndirectory = "/var/lib/appliance"\n'
-        '[engine]\nkv_cache_memory_bytes = "3GiB"\nmax_model_len = 4096\nmax_num_seqs = 8\n' + extra
+        '[model]\npath = "/models/smol"\nserved_name = "smol"\n[state]\ndirectory = "/var/lib/appliance"\n'
+        "[engine]\n" + extra
     )
 
 
@@ -18,8 +20,8 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_command_line_carries_the_explicit_kv_size_and_limits():
-    launch = build_launch(_cfg(), port=41000, internal_key="k", base_env={})
+def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
+    launch = build_launch(_cfg(), PLAN_ARGS, port=41000, internal_key="k", base_env={})
     argv = launch.argv
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--kv-cache-memory-bytes") == str(3 * 1024**3)
@@ -33,12 +35,13 @@ def test_command_line_carries_the_explicit_kv_size_and_limits():
 
 
 def test_engine_is_private_even_when_the_api_listens_everywhere():
-    launch = build_launch(_cfg('[server]\nhost = "0.0.0.0"\n'), port=1, internal_key="k", base_env={})
+    cfg = config.parse('[model]\npath = "/m"\n[server]\nhost = "0.0.0.0"\n')
+    launch = build_launch(cfg, PLAN_ARGS, port=1, internal_key="k", base_env={})
     assert _flag(launch.argv, "--host") == "127.0.0.1"
 
 
 def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
-    launch = build_launch(_cfg(), port=1, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
+    launch = build_launch(_cfg(), PLAN_ARGS, port=1, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
     env = launch.env
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_API_KEY"] == "sekrit"
@@ -50,6 +53,6 @@ def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
 
 
 def test_extra_args_and_eager_are_appended():
-    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), port=1, internal_key="k",
+    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), PLAN_ARGS, port=1, internal_key="k",
                           base_env={})
     assert launch.argv[-3:] == ["--enforce-eager", "--seed", "7"]

@@ -97,7 +97,7 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path):
     seen: list[str] = []
 
     async def scenario() -> tuple[EngineSupervisor, str]:
-        sup = EngineSupervisor(cfg)
+        sup = EngineSupervisor(cfg, [])
         sup.add_listener(lambda st: seen.append(st.state.value))
         await sup.start()
         await asyncio.wait_for(sup.gave_up.wait(), 30)
@@ -123,7 +123,7 @@ def test_supervisor_stop_during_start_leaves_nothing(tmp_path: Path):
     )
 
     async def scenario() -> list[int]:
-        sup = EngineSupervisor(cfg)
+        sup = EngineSupervisor(cfg, [])
         await sup.start()
         await asyncio.sleep(1.5)
         assert sup.status.state is EngineState.STARTING
@@ -148,7 +148,7 @@ def test_guard_killed_the_supervisor_still_cleans_up_and_restarts(tmp_path: Path
     )
 
     async def scenario() -> tuple[list[int], str]:
-        sup = EngineSupervisor(cfg)
+        sup = EngineSupervisor(cfg, [])
         await sup.start()
         await asyncio.sleep(1.5)
         guard = psutil.Process(sup.status.pid)

@@ -1,0 +1,320 @@
+"""Read a model's shape from its config.json and its exact weight bytes from safetensors headers.
+
+Pure data in, pure data out, except `read_model_folder`, which opens files (and
+only the JSON header of each safetensors file, never the tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+LayerKind = Literal["full", "sliding", "mla", "linear"]
+
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2,
+    "float8_e4m3fn": 1, "float8": 1, "fp8": 1, "int8": 1, "uint8": 1,
+}
+
+
+class ModelError(ValueError):
+    """The model cannot be read or is not something the appliance can serve."""
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 / Qwen3.6) linear-attention layer shape."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    ssm_dtype_bytes: int
+
+    @property
+    def conv_dim(self) -> int:
+        return self.key_head_dim * self.num_key_heads * 2 + self.value_head_dim * self.num_value_heads
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    architecture: str
+    layer_kinds: tuple[LayerKind, ...]
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype_bytes: int
+    sliding_window: int | None = None
+    mla_latent_dim: int | None = None  # kv_lora_rank + qk_rope_head_dim
+    linear: LinearAttention | None = None
+    intermediate_size: int | None = None
+    num_experts: int = 0
+    moe_intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    quantization: str | None = None
+    weight_bits: float | None = None
+    mtp_layers: int = 0
+    weight_bytes: int = 0
+    weight_bytes_exact: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    def count(self, kind: LayerKind) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def is_hybrid_linear(self) -> bool:
+        return self.count("linear") > 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep a per-token KV cache."""
+        return self.num_layers - self.count("linear")
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    # Multimodal checkpoints (Qwen3.5/3.6, Gemma 3, ...) nest the language model's fields.
+    inner = cfg.get("text_config")
+    if isinstance(inner, dict):
+        merged = {k: v for k, v in cfg.items() if k != "text_config"}
+        merged.update(inner)
+        return merged
+    return cfg
+
+
+def _req(cfg: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise ModelError(f"config.json lacks {' / '.join(keys)}; cannot size the KV cache without it")
+
+
+def _positive_int(cfg: dict[str, Any], *keys: str) -> int:
+    v = _req(cfg, *keys)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ModelError(f"config.json {keys[0]} must be a positive integer (got {v!r})")
+    return v
+
+
+def _dtype_bytes(name: Any, default: int = 2) -> int:
+    if name is None:
+        return default
+    key = str(name).replace("torch.", "").lower()
+    if key not in DTYPE_BYTES:
+        raise ModelError(f"unknown dtype {name!r} in config.json")
+    return DTYPE_BYTES[key]
+
+
+def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[LayerKind, ...]:
+    mla = cfg.get("kv_lora_rank") is not None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        if len(types) != n:
+            raise ModelError(f"config.json layer_types has {len(types)} entries for {n} layers")
+        mapping: dict[str, LayerKind] = {
+            "full_attention": "mla" if mla else "full",
+            "attention": "mla" if mla else "full",
+            "sliding_attention": "sliding",
+            "sliding_window_attention": "sliding",
+            "linear_attention": "linear",
+        }
+        out = []
+        for t in types:
+            if t not in mapping:
+                raise ModelError(f"unsupported layer type {t!r} in layer_types (known: {', '.join(mapping)})")
+            out.append(mapping[t])
+        return tuple(out)
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0 and cfg.get("linear_num_value_heads"):
+        # Qwen3-Next style: every interval-th layer is full attention, the rest linear.
+        return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(n))
+    if mla:
+        return ("mla",) * n
+    window = cfg.get("sliding_window")
+    if window:
+        if "use_sliding_window" not in cfg:  # Mistral style: a window means every layer uses it
+            return ("sliding",) * n
+        if cfg["use_sliding_window"]:  # Qwen2 style: layers from max_window_layers on
+            start = int(cfg.get("max_window_layers") or 0)
+            return tuple("sliding" if i >= start else "full" for i in range(n))
+    return ("full",) * n
+
+
+def _quantization(cfg: dict[str, Any]) -> tuple[str | None, float | None]:
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return None, None
+    method = str(q.get("quant_method") or q.get("quant_algo") or "unknown").lower()
+    bits = q.get("bits") or q.get("weight_bits")
+    if bits is None:
+        if "fp8" in method or q.get("fmt") in ("e4m3", "float8_e4m3fn"):
+            bits = 8
+        elif "fp4" in method or "nvfp4" in method or "mxfp4" in method:
+            bits = 4
+    return method, float(bits) if bits else None
+
+
+def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
+    """The model's shape from a parsed config.json, with weights estimated (labelled as such)."""
+    if not isinstance(cfg, dict):
+        raise ModelError("config.json must hold a JSON object")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else str(cfg.get("model_type", ""))
+    if not arch:
+        raise ModelError("config.json names no architecture (architectures / model_type)")
+    if not (arch.endswith("ForCausalLM") or arch.endswith("ForConditionalGeneration") or arch.endswith("LMHeadModel")):
+        raise ModelError(
+            f"{arch} is not a causal language model (expected an architecture ending in ForCausalLM); "
+            "the appliance serves generative chat models"
+        )
+    t = _text_config(cfg)
+    n_layers = _positive_int(t, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _positive_int(t, "num_attention_heads", "n_head")
+    hidden = _positive_int(t, "hidden_size", "n_embd", "d_model")
+    kv_heads = t.get("num_key_value_heads") or heads
+    if not isinstance(kv_heads, int) or kv_heads <= 0:
+        raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
+    head_dim = t.get("head_dim") or hidden // heads
+    kinds = _layer_kinds(t, n_layers)
+    dtype_bytes = _dtype_bytes(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype"))
+
+    mla_dim = None
+    if t.get("kv_lora_rank") is not None:
+        mla_dim = int(t["kv_lora_rank"]) + int(t.get("qk_rope_head_dim") or 0)
+
+    linear = None
+    if "linear" in kinds:
+        linear = LinearAttention(
+            num_key_heads=_positive_int(t, "linear_num_key_heads"),
+            num_value_heads=_positive_int(t, "linear_num_value_heads"),
+            key_head_dim=_positive_int(t, "linear_key_head_dim"),
+            value_head_dim=_positive_int(t, "linear_value_head_dim"),
+            conv_kernel=_positive_int(t, "linear_conv_kernel_dim"),
+            # Qwen3.5/3.6 set float32; Qwen3-Next leaves it to the model dtype (bf16).
+            ssm_dtype_bytes=_dtype_bytes(t.get("mamba_ssm_dtype"), default=dtype_bytes),
+        )
+    window = t.get("sliding_window") if "sliding" in kinds else None
+    quant, bits = _quantization(t)
+    shape = ModelShape(
+        name=name,
+        architecture=arch,
+        layer_kinds=kinds,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        vocab_size=int(t.get("vocab_size") or 0),
+        max_position_embeddings=int(t.get("max_position_embeddings") or 0),
+        dtype_bytes=dtype_bytes,
+        sliding_window=int(window) if window else None,
+        mla_latent_dim=mla_dim,
+        linear=linear,
+        intermediate_size=t.get("intermediate_size"),
+        num_experts=int(t.get("num_experts") or t.get("n_routed_experts") or t.get("num_local_experts") or 0),
+        moe_intermediate_size=t.get("moe_intermediate_size"),
+        tie_word_embeddings=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        quantization=quant,
+        weight_bits=bits,
+        mtp_layers=int(t.get("mtp_num_hidden_layers") or t.get("num_nextn_predict_layers") or 0),
+    )
+    return replace(shape, weight_bytes=estimate_weight_bytes(shape), weight_bytes_exact=False,
+                   notes=("weight bytes estimated from the architecture (no safetensors read)",))
+
+
+def estimate_weight_bytes(s: ModelShape) -> int:
+    """Parameter count from the architecture times the stored bytes per weight.
+
+    An estimate: biases, norms and vision towers are ignored, and quantized checkpoints keep
+    embeddings and norms in 16 bits.
+    """
+    h = s.hidden_size
+    q_dim = s.num_attention_heads * s.head_dim
+    kv_dim = s.num_kv_heads * s.head_dim
+    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+    if s.linear:
+        la = s.linear
+        lin = h * (la.conv_dim + la.num_value_heads * la.value_head_dim) + la.num_value_heads * la.value_head_dim * h
+    else:
+        lin = 0
+    experts = 0
+    if s.num_experts:
+        per_expert = s.moe_intermediate_size or s.intermediate_size or 4 * h
+        experts = s.num_experts * 3 * h * int(per_expert)
+        dense_mlp = 3 * h * int(s.intermediate_size) if s.moe_intermediate_size and s.intermediate_size else 0
+    else:
+        dense_mlp = 3 * h * int(s.intermediate_size or 4 * h)
+    mixers = sum(lin if k == "linear" else attn for k in s.layer_kinds)
+    embed = s.vocab_size * h * (1 if s.tie_word_embeddings else 2)
+    quant_bytes = (s.weight_bits / 8) if s.weight_bits else s.dtype_bytes
+    # MXFP4 checkpoints (gpt-oss) quantize only the experts; other methods the whole body.
+    body_bytes = s.dtype_bytes if s.quantization == "mxfp4" else quant_bytes
+    return int(s.num_layers * experts * quant_bytes + (mixers + s.num_layers * dense_mlp) * body_bytes
+               + embed * min(s.dtype_bytes, 2))
+
+
+def safetensors_bytes(folder: Path) -> int:
+    """Exact tensor bytes of every *.safetensors file in folder, from their headers alone."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} has no *.safetensors files")
+    total = 0
+    for f in files:
+        with f.open("rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ModelError(f"{f.name} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise ModelError(f"{f.name} has an implausible header length {n}")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as e:
+                raise ModelError(f"{f.name} has a malformed safetensors header: {e}") from None
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            total += end - start
+    return total
+
+
+def read_model_folder(folder: Path) -> ModelShape:
+    """Shape from config.json plus exact weight bytes from the safetensors headers."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ModelError(f"{cfg_path} is not valid JSON: {e}") from None
+    shape = shape_from_config(cfg, name=folder.name)
+    if any(folder.glob("*.safetensors")):
+        return replace(shape, weight_bytes=safetensors_bytes(folder), weight_bytes_exact=True, notes=())
+    return shape
+
+
+def read_model(path: Path) -> ModelShape:
+    """A model folder, or a bare config.json (weights then estimated)."""
+    path = Path(path)
+    if path.is_dir():
+        return read_model_folder(path)
+    if not path.is_file():
+        raise ModelError(f"{path} does not exist")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from None
+    return shape_from_config(cfg, name=path.stem if path.name != "config.json" else path.parent.name)

@@ -1,0 +1,396 @@
+"""From a GPU, a model and a site's targets to a plan: memory breakdown, KV capacity, vLLM arguments.
+
+Pure: values in, a Plan out. Discovery (NVML, files) happens before, rendering after.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from kvbudget.accounting import (
+    CPU_DEFAULT_BLOCK_SIZE,
+    GPU_DEFAULT_BLOCK_SIZE,
+    EngineShape,
+    KvCapacity,
+    KvDtype,
+    KvLayout,
+    capacity,
+    cdiv,
+    layout,
+)
+from kvbudget.model import ModelShape
+from kvbudget.profiles import PROFILES, GpuProfile
+
+Workload = Literal["chat", "code", "long-context", "tool-calling"]
+GiB = 1 << 30
+
+DEFAULT_CONTEXT = {"chat": 32_768, "code": 32_768, "long-context": 131_072, "tool-calling": 32_768}
+SESSION_CONTEXTS = (4_096, 8_192, 32_768, 131_072)
+CUDA_CONTEXT_BYTES = 768 << 20  # CUDA context, cuBLAS/NCCL workspaces: measured 0.5-1 GiB on recent drivers
+CUDA_GRAPH_BYTES = 512 << 20  # vLLM's CUDA-graph pool for the default capture sizes (an estimate)
+
+
+@dataclass(frozen=True)
+class Targets:
+    sessions: int | None = None
+    context: int | None = None
+    workload: Workload = "chat"
+    kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU supports it, else the model's dtype
+    ttft_p50_ms: float | None = None
+    tpot_ms: float | None = None
+    max_num_batched_tokens: int = 8192
+    draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
+    num_speculative_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: Literal["gpu", "cpu"] = "gpu"
+    gpu_count: int = 1
+    gpu_memory_utilization: float = 0.92  # vLLM's default: what it holds back is headroom
+    enforce_eager: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return CPU_DEFAULT_BLOCK_SIZE if self.kind == "cpu" else GPU_DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class Memory:
+    total: int
+    headroom: int  # what gpu_memory_utilization keeps back
+    weights: int
+    draft_weights: int
+    reserve: int  # activation peak + CUDA context + CUDA graphs (estimated)
+    kv_pool: int  # exact bytes passed as --kv-cache-memory-bytes (whole blocks)
+    unused: int  # the remainder below one block
+
+
+@dataclass(frozen=True)
+class Speculative:
+    method: Literal["none", "ngram", "eagle3", "mtp"]
+    num_speculative_tokens: int
+    reason: str
+
+    def config_json(self) -> str | None:
+        if self.method == "none":
+            return None
+        cfg: dict[str, object] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            cfg.update({"prompt_lookup_max": 4, "prompt_lookup_min": 2})
+        if self.method == "eagle3":
+            cfg["model"] = "<path to the EAGLE-3 draft>"
+        return json.dumps(cfg, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Finding:
+    target: str
+    wanted: str
+    achieved: str
+    shortfall_pct: float
+    remedies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    gpu: GpuProfile
+    model: ModelShape
+    targets: Targets
+    platform: Platform
+    fits: bool
+    memory: Memory
+    engine: EngineShape
+    layout: KvLayout | None
+    capacity: KvCapacity | None
+    sessions_at: dict[int, float]
+    max_num_seqs: int
+    speculative: Speculative
+    tpot_floor_ms: float | None
+    findings: tuple[Finding, ...]
+    notes: tuple[str, ...]
+    vllm_args: tuple[str, ...]
+
+    @property
+    def targets_met(self) -> bool:
+        return self.fits and not self.findings
+
+
+class PlanError(ValueError):
+    pass
+
+
+# -- the pieces -----------------------------------------------------------------------------
+
+
+def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform) -> tuple[KvDtype, str | None]:
+    want = targets.kv_dtype
+    if platform.kind == "cpu":
+        if want in ("fp8", "fp4"):
+            return "auto", f"{want} KV cache is not available on the CPU backend (it needs AVX-512/AMX); using the model dtype"
+        return "auto", None
+    if want == "auto":
+        return ("fp8", None) if gpu.fp8 else ("auto", f"{gpu.name} has no FP8 (compute capability below 8.9): KV stays in the model dtype")
+    if want == "fp8" and not gpu.fp8:
+        raise PlanError(f"FP8 KV cache needs compute capability 8.9 or newer; {gpu.name} is {gpu.compute_capability[0]}.{gpu.compute_capability[1]}")
+    if want == "fp4" and not gpu.fp4:
+        raise PlanError(f"FP4 KV cache needs a Blackwell GPU (compute capability 10.0 or newer); {gpu.name} is not")
+    return want, None
+
+
+def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, memory_tight: bool) -> Speculative:
+    """Table 4 of the speculative-decoding seed, with the engine hazards from ENGINE-NOTES.md."""
+    k = targets.num_speculative_tokens
+    gdn = model.is_hybrid_linear
+    if targets.workload == "tool-calling":
+        return Speculative("none", 0, "heavy tool calling: constrained decoding collapses the acceptance rate")
+    if model.mtp_layers:
+        return Speculative("mtp", k or min(3, max(1, model.mtp_layers * 2)),
+                           "the model ships native MTP heads (acceptance above 80% without a separate draft)")
+    if targets.draft_model_bytes and targets.workload in ("chat", "long-context") and platform.kind == "gpu":
+        return Speculative("eagle3", k or 3, "EAGLE-3 draft provided: best acceptance per cost for dense chat")
+    if targets.workload == "code" or memory_tight:
+        if gdn:
+            return Speculative("none", 0, "n-gram speculation corrupts output on Gated DeltaNet hybrids "
+                                          "(vLLM issue 39273); no MTP heads or EAGLE draft available")
+        why = "code: repetitive structure gives n-gram a high hit rate" if targets.workload == "code" \
+            else "strict memory budget: n-gram needs no draft model"
+        return Speculative("ngram", k or 3, why)
+    return Speculative("none", 0, "no draft model given (EAGLE-3/3.1 is the recommendation for "
+                                  f"{targets.workload}: pass its size to enable it)")
+
+
+def draft_layers(spec: Speculative, model: ModelShape) -> int:
+    if spec.method == "eagle3":
+        return 1
+    if spec.method == "mtp":
+        return max(1, model.mtp_layers)
+    return 0
+
+
+def reserve_bytes(model: ModelShape, targets: Targets, platform: Platform, tp: int) -> int:
+    """Activation peak of a max_num_batched_tokens forward pass, the CUDA context and graphs.
+
+    An estimate: vLLM measures this by profiling (tens of seconds, known to mis-size). The plan
+    passes an explicit KV size, so an error here lands in the headroom, not in an OOM.
+    """
+    if platform.kind == "cpu":
+        return 0
+    inter = model.moe_intermediate_size or model.intermediate_size or 4 * model.hidden_size
+    per_token = (4 * model.hidden_size + 2 * int(inter)) * 2 // tp
+    logits = 256 * model.vocab_size * 4  # sampled rows of fp32 logits
+    activation = targets.max_num_batched_tokens * per_token + logits
+    graphs = 0 if platform.enforce_eager else CUDA_GRAPH_BYTES
+    return CUDA_CONTEXT_BYTES + activation + graphs
+
+
+def parallelism(model: ModelShape, platform: Platform) -> tuple[int, int, list[str]]:
+    """Tensor parallel over every GPU, and decode context parallel where TP exceeds the KV heads."""
+    notes = []
+    tp = platform.gpu_count
+    if tp > 1 and model.num_attention_heads % tp:
+        raise PlanError(f"{model.num_attention_heads} attention heads do not split over {tp} GPUs")
+    dcp = 1
+    if tp > model.num_kv_heads and platform.kind == "gpu":
+        dcp = tp // model.num_kv_heads
+        notes.append(f"decode context parallel {dcp}: TP {tp} exceeds the {model.num_kv_heads} KV heads, so DCP shards "
+                     "the tokens instead of replicating the heads (needs FlashAttention or FlashInfer)")
+    return tp, dcp, notes
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+CPU_DEVICE = GpuProfile("CPU", 0, 0.0, (0, 0), False, kind="cpu")
+
+
+def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targets(), platform: Platform = Platform(),
+              *, kv_pool_bytes: int | None = None, max_num_seqs: int | None = None) -> Plan:
+    """kv_pool_bytes fixes the pool (the CPU backend, or an operator's explicit size) instead of
+    deriving it from the GPU's memory; max_num_seqs fixes that setting instead of choosing it."""
+    if platform.kind == "cpu":
+        gpu = CPU_DEVICE
+        if kv_pool_bytes is None:
+            raise PlanError("the CPU backend has no GPU memory to plan from: give the KV pool size")
+    if gpu is None:
+        raise PlanError("no GPU given: name one (--gpu) or give its memory (--gpu-memory)")
+    if kv_pool_bytes is not None and kv_pool_bytes <= 0:
+        raise PlanError(f"the KV pool must be positive (got {kv_pool_bytes} bytes)")
+    if kv_pool_bytes is None and gpu.memory_bytes <= 0:
+        raise PlanError("GPU memory must be positive")
+    if max_num_seqs is not None and max_num_seqs <= 0:
+        raise PlanError(f"max_num_seqs must be positive (got {max_num_seqs})")
+    if targets.sessions is not None and targets.sessions <= 0:
+        raise PlanError(f"sessions must be positive (got {targets.sessions})")
+    if targets.context is not None and targets.context < 16:
+        raise PlanError(f"context must be at least 16 tokens (got {targets.context})")
+    if not 0 < platform.gpu_memory_utilization <= 1:
+        raise PlanError("gpu_memory_utilization must be in (0, 1]")
+    notes: list[str] = []
+    findings: list[Finding] = []
+    tp, dcp, par_notes = parallelism(model, platform)
+    notes += par_notes
+    kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform)
+    if dtype_note:
+        notes.append(dtype_note)
+
+    context = targets.context or min(DEFAULT_CONTEXT[targets.workload], model.max_position_embeddings or 10**9)
+    if model.max_position_embeddings and context > model.max_position_embeddings:
+        findings.append(Finding(
+            "context", f"{context:,} tokens", f"{model.max_position_embeddings:,} (max_position_embeddings)",
+            100 * (context - model.max_position_embeddings) / context,
+            ("a context beyond max_position_embeddings needs RoPE scaling (YaRN) configured in the model",
+             f"or target {model.max_position_embeddings:,} tokens"),
+        ))
+
+    weights = cdiv(model.weight_bytes, tp)
+    reserve = reserve_bytes(model, targets, platform, tp)
+    if kv_pool_bytes is None:
+        total = gpu.memory_bytes
+        budget = int(total * platform.gpu_memory_utilization)
+    else:  # the pool is given; the rest of the card is whatever it is
+        total = gpu.memory_bytes
+        budget = kv_pool_bytes + weights + reserve
+    headroom = max(0, total - budget)
+
+    spec = choose_speculative(model, targets, platform, memory_tight=False)
+    draft_w = cdiv(targets.draft_model_bytes, tp) if spec.method == "eagle3" and targets.draft_model_bytes else 0
+
+    def shape_for(spec: Speculative, ctx: int) -> EngineShape:
+        return EngineShape(
+            max_model_len=ctx, kv_dtype=kv_dtype, block_size=platform.block_size,
+            kernel_block=platform.block_size if platform.kind == "cpu" else 16,
+            tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+            draft_layers=draft_layers(spec, model), max_num_batched_tokens=targets.max_num_batched_tokens,
+            max_concurrent_batches=1 if platform.kind == "cpu" else 2,
+            # vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
+            ssm_dtype_bytes=4 if platform.kind == "cpu" else None,
+        )
+
+    pool = kv_pool_bytes if kv_pool_bytes is not None else budget - weights - draft_w - reserve
+    if pool <= 0:
+        need = weights + draft_w + reserve
+        mem = Memory(total, headroom, weights, draft_w, reserve, 0, 0)
+        bigger = _bigger_cards(lambda g: int(g.memory_bytes * platform.gpu_memory_utilization) > need + GiB, gpu)
+        findings.append(Finding(
+            "fit", "the model on this GPU", f"short by {(need - budget) / 1e9:.1f} GB",
+            100 * (need - budget) / need,
+            (f"weights alone are {weights / 1e9:.1f} GB per GPU against a usable {budget / 1e9:.1f} GB",
+             "a quantized checkpoint (FP8 halves bf16 weights, FP4 quarters them)",
+             *(f"a bigger card: {b}" for b in bigger[:2]),
+             "or more GPUs with tensor parallel (pipeline/expert sharding across boxes)"),
+        ))
+        eng = shape_for(spec, context)
+        return Plan(gpu, model, targets, platform, False, mem, eng, None, None, {}, 0, spec,
+                    None, tuple(findings), tuple(notes), ())
+
+    eng = shape_for(spec, context)
+    lay = layout(model, eng)
+    cap = capacity(lay, eng, pool)
+    memory_tight = bool(targets.sessions and cap.max_concurrency < targets.sessions)
+    if memory_tight and spec.method == "none" and targets.workload != "tool-calling":
+        tighter = choose_speculative(model, targets, platform, memory_tight=True)
+        if tighter.method != spec.method:
+            spec = tighter
+            eng = shape_for(spec, context)
+            lay = layout(model, eng)
+            cap = capacity(lay, eng, pool)
+    kv_pool = cap.num_blocks * lay.bytes_per_block
+    mem = Memory(total, headroom, weights, draft_w, reserve, kv_pool, pool - kv_pool)
+    notes += list(lay.notes)
+
+    sessions_at = {}
+    for ctx in sorted({*SESSION_CONTEXTS, context}):
+        if model.max_position_embeddings and ctx > model.max_position_embeddings:
+            continue
+        e = replace(eng, max_model_len=ctx)
+        sessions_at[ctx] = capacity(layout(model, e), e, pool).max_concurrency
+
+    if cap.num_blocks < lay.blocks_per_request(eng):
+        findings.append(Finding("context", f"one request of {context:,} tokens",
+                                f"{cap.max_concurrency:.2f} requests", 100 * (1 - cap.max_concurrency),
+                                _remedies(model, gpu, targets, platform, eng, pool, kv_dtype, 1, context)))
+    if targets.sessions and cap.max_concurrency < targets.sessions:
+        findings.append(Finding(
+            "sessions", f"{targets.sessions} sessions at {context:,} tokens", f"{cap.max_concurrency:.1f}",
+            100 * (targets.sessions - cap.max_concurrency) / targets.sessions,
+            _remedies(model, gpu, targets, platform, eng, pool, kv_dtype, targets.sessions, context),
+        ))
+
+    # Decode reads every weight (and the KV of the batch) once per step: a floor on TPOT.
+    tpot = None
+    if gpu.bandwidth_bytes_s:
+        tpot = 1000 * (weights + draft_w) / gpu.bandwidth_bytes_s
+        if targets.tpot_ms and tpot > targets.tpot_ms:
+            findings.append(Finding("tpot", f"{targets.tpot_ms:g} ms", f"at least {tpot:.1f} ms (memory bandwidth)",
+                                    100 * (tpot - targets.tpot_ms) / tpot,
+                                    ("a card with more memory bandwidth", "a quantized checkpoint (fewer bytes read per token)",
+                                     "speculative decoding (several tokens per weight read)")))
+    if targets.ttft_p50_ms:
+        notes.append(f"p50 TTFT target {targets.ttft_p50_ms:g} ms: prefill speed is measured, not planned; "
+                     "admission control enforces it on live traffic")
+
+    max_num_seqs = max_num_seqs or targets.sessions or max(1, min(256, int(cap.max_concurrency)))
+    args = _vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype)
+    return Plan(gpu, model, targets, platform, True, mem, eng, lay, cap, sessions_at, max_num_seqs, spec, tpot,
+                tuple(findings), tuple(notes), tuple(args))
+
+
+def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int, spec: Speculative,
+               kv_dtype: KvDtype) -> list[str]:
+    args = ["--kv-cache-memory-bytes", str(kv_pool), "--max-model-len", str(eng.max_model_len),
+            "--max-num-seqs", str(max_num_seqs)]
+    if kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    elif kv_dtype == "fp4":
+        args += ["--kv-cache-dtype", "nvfp4"]
+    if eng.tp > 1:
+        args += ["--tensor-parallel-size", str(eng.tp)]
+    if eng.dcp > 1:
+        args += ["--decode-context-parallel-size", str(eng.dcp)]
+    if spec.config_json():
+        args += ["--speculative-config", spec.config_json()]
+    return args
+
+
+def _bigger_cards(ok, current: GpuProfile) -> list[str]:
+    return [p.name for p in sorted(PROFILES, key=lambda p: p.memory_bytes)
+            if p.memory_bytes > current.memory_bytes and ok(p)]
+
+
+def _remedies(model: ModelShape, gpu: GpuProfile, targets: Targets, platform: Platform, eng: EngineShape,
+              pool: int, kv_dtype: KvDtype, sessions: int, context: int) -> tuple[str, ...]:
+    out = []
+    if kv_dtype not in ("fp8", "fp4") and gpu.fp8 and platform.kind == "gpu":
+        e8 = replace(eng, kv_dtype="fp8")
+        c8 = capacity(layout(model, e8), e8, pool).max_concurrency
+        out.append(f"FP8 KV cache: {c8:.1f} sessions at {context:,} tokens")
+    lay = layout(model, eng)
+    fit_sessions = capacity(lay, eng, pool).max_concurrency
+    if fit_sessions >= 1:
+        out.append(f"fewer sessions: {int(fit_sessions)} fit at {context:,} tokens")
+    ctx = _longest_context_for(model, eng, pool, sessions)
+    if ctx:
+        out.append(f"shorter context: {sessions} sessions fit at {ctx:,} tokens")
+    need_pool = lay.blocks_per_request(eng) * sessions * lay.bytes_per_block
+    extra = need_pool - pool
+    bigger = [p.name for p in sorted(PROFILES, key=lambda p: p.memory_bytes)
+              if p.memory_bytes - gpu.memory_bytes > extra / platform.gpu_memory_utilization]
+    if bigger:
+        out.append(f"a bigger card: {bigger[0]} (needs {extra / 1e9:.1f} GB more KV pool)")
+    return tuple(out)
+
+
+def _longest_context_for(model: ModelShape, eng: EngineShape, pool: int, sessions: int) -> int | None:
+    lo, hi = 0, eng.max_model_len
+    step = max(eng.block_size, 256)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step or step
+        e = replace(eng, max_model_len=mid)
+        if capacity(layout(model, e), e, pool).max_concurrency >= sessions:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None
