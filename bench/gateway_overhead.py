@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support import start_appliance  # noqa: E402
@@ -34,6 +34,16 @@ class Sample:
     tokens: int = 0
     wall: float = 0.0
     errors: int = 0
+    requests: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)  # process name -> CPU seconds during this path's batches
+
+
+def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
+    out = {}
+    for name, p in procs.items():
+        t = p.cpu_times()
+        out[name] = t.user + t.system
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -69,16 +79,21 @@ async def one(client: httpx.AsyncClient, url: str, model: str, i: int, max_token
     s.tokens += n
 
 
-async def batch(client: httpx.AsyncClient, url: str, model: str, n: int, conc: int, max_tokens: int, s: Sample) -> None:
+async def batch(client: httpx.AsyncClient, url: str, model: str, n: int, conc: int, max_tokens: int, s: Sample,
+                procs: dict[str, psutil.Process] | None = None) -> None:
     sem = asyncio.Semaphore(conc)
 
     async def guarded(i: int) -> None:
         async with sem:
             await one(client, url, model, i, max_tokens, s)
 
+    before = cpu_seconds(procs or {})
     t0 = time.perf_counter()
     await asyncio.gather(*(guarded(i) for i in range(n)))
     s.wall += time.perf_counter() - t0
+    s.requests += n
+    for name, v in cpu_seconds(procs or {}).items():
+        s.cpu[name] = s.cpu.get(name, 0.0) + v - before[name]
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -94,6 +109,8 @@ async def run(args: argparse.Namespace) -> None:
         }
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
         clients = {name: httpx.AsyncClient(headers=h, timeout=300, limits=limits) for name, (_, h) in paths.items()}
+        engine_front = next(p for p in app.engine_processes() if "api_server" in " ".join(p.cmdline()))
+        procs = {"appliance": psutil.Process(app.proc.pid), "vllm-api": engine_front}
         # warm both paths (connections, engine caches)
         for name, (url, _) in paths.items():
             await batch(clients[name], url, app.served_name, 8, 8, args.max_tokens, Sample())
@@ -110,7 +127,7 @@ async def run(args: argparse.Namespace) -> None:
                 order = list(paths) if rnd % 2 == 0 else list(reversed(paths))
                 for name in order:
                     await batch(clients[name], paths[name][0], app.served_name, per_round, conc, args.max_tokens,
-                                results[name])
+                                results[name], procs)
             for name, s in results.items():
                 print(f"{conc:>7} {name:>9} {pct(s.ttft, 50)*1e3:>8.1f}ms {pct(s.ttft, 99)*1e3:>8.1f}ms "
                       f"{pct(s.total, 50)*1e3:>9.1f}ms {pct(s.total, 99)*1e3:>9.1f}ms {s.tokens / s.wall:>8.1f} "
@@ -119,6 +136,10 @@ async def run(args: argparse.Namespace) -> None:
             added_ttft = (pct(a.ttft, 50) - pct(d.ttft, 50)) * 1e3
             added_total = (pct(a.total, 50) - pct(d.total, 50)) * 1e3
             thr = (a.tokens / a.wall) / (d.tokens / d.wall)
+            a_cpu = 1e3 * a.cpu["appliance"] / a.requests
+            v_cpu = 1e3 * a.cpu["vllm-api"] / a.requests
+            print(f"{conc:>7} {'cpu':>9} appliance {a_cpu:.2f} ms CPU per request vs vLLM's own API server "
+                  f"{v_cpu:.2f} ms ({a_cpu / v_cpu:.2f}x); both share the one core the engine leaves free")
             print(f"{conc:>7} {'ratio':>9} ttft p50 {pct(a.ttft, 50) / pct(d.ttft, 50):.3f}x (+{added_ttft:.2f} ms), "
                   f"total p50 {pct(a.total, 50) / pct(d.total, 50):.3f}x (+{added_total:.2f} ms), "
                   f"throughput {thr:.3f}x of direct\n", flush=True)

@@ -11,8 +11,32 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+def supports_fp8(cc: tuple[int, int]) -> bool:
+    """FP8 tensor cores (and so FP8 KV cache in vLLM): Ada (8.9), Hopper (9.0), Blackwell."""
+    return cc >= (8, 9)
+
+
+def supports_fp4(cc: tuple[int, int]) -> bool:
+    """FP4 (NVFP4) needs Blackwell: compute capability 10.0 or newer."""
+    return cc >= (10, 0)
+
+
+class LowPrecisionFormats:
+    """fp8/fp4 support of anything with a compute_capability (a found GPU or a named profile)."""
+
+    compute_capability: tuple[int, int]
+
+    @property
+    def fp8(self) -> bool:
+        return supports_fp8(self.compute_capability)
+
+    @property
+    def fp4(self) -> bool:
+        return supports_fp4(self.compute_capability)
+
+
 @dataclass(frozen=True)
-class GpuInfo:
+class GpuInfo(LowPrecisionFormats):
     index: int
     name: str
     total_bytes: int
@@ -30,14 +54,6 @@ class GpuInfo:
         if not self.memory_bus_width_bits or not self.max_memory_clock_mhz:
             return None
         return self.memory_bus_width_bits / 8 * self.max_memory_clock_mhz * 1e6 * 2
-
-    @property
-    def fp8(self) -> bool:
-        return self.compute_capability >= (8, 9)
-
-    @property
-    def fp4(self) -> bool:
-        return self.compute_capability >= (10, 0)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

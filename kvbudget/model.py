@@ -296,11 +296,7 @@ def read_model_folder(folder: Path) -> ModelShape:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise ModelError(f"{cfg_path} is not valid JSON: {e}") from None
-    shape = shape_from_config(cfg, name=folder.name)
+    shape = shape_from_config(_read_json(cfg_path), name=folder.name)
     if any(folder.glob("*.safetensors")):
         return replace(shape, weight_bytes=safetensors_bytes(folder), weight_bytes_exact=True, notes=())
     return shape
@@ -313,8 +309,11 @@ def read_model(path: Path) -> ModelShape:
         return read_model_folder(path)
     if not path.is_file():
         raise ModelError(f"{path} does not exist")
+    return shape_from_config(_read_json(path), name=path.stem if path.name != "config.json" else path.parent.name)
+
+
+def _read_json(path: Path) -> Any:
     try:
-        cfg = json.loads(path.read_text())
-    except ValueError as e:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
         raise ModelError(f"{path} is not valid JSON: {e}") from None
-    return shape_from_config(cfg, name=path.stem if path.name != "config.json" else path.parent.name)

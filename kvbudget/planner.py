@@ -6,7 +6,7 @@ Pure: values in, a Plan out. Discovery (NVML, files) happens before, rendering a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvbudget.accounting import (
@@ -40,7 +40,7 @@ class Targets:
     kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU supports it, else the model's dtype
     ttft_p50_ms: float | None = None
     tpot_ms: float | None = None
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on the CPU backend (passed explicitly)
     draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
     num_speculative_tokens: int | None = None
 
@@ -55,6 +55,9 @@ class Platform:
     @property
     def block_size(self) -> int:
         return CPU_DEFAULT_BLOCK_SIZE if self.kind == "cpu" else GPU_DEFAULT_BLOCK_SIZE
+
+    def batched_tokens(self, targets: "Targets") -> int:
+        return targets.max_num_batched_tokens or (2048 if self.kind == "cpu" else 8192)
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ def reserve_bytes(model: ModelShape, targets: Targets, platform: Platform, tp: i
     inter = model.moe_intermediate_size or model.intermediate_size or 4 * model.hidden_size
     per_token = (4 * model.hidden_size + 2 * int(inter)) * 2 // tp
     logits = 256 * model.vocab_size * 4  # sampled rows of fp32 logits
-    activation = targets.max_num_batched_tokens * per_token + logits
+    activation = platform.batched_tokens(targets) * per_token + logits
     graphs = 0 if platform.enforce_eager else CUDA_GRAPH_BYTES
     return CUDA_CONTEXT_BYTES + activation + graphs
 
@@ -263,7 +266,7 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
             max_model_len=ctx, kv_dtype=kv_dtype, block_size=platform.block_size,
             kernel_block=platform.block_size if platform.kind == "cpu" else 16,
             tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
-            draft_layers=draft_layers(spec, model), max_num_batched_tokens=targets.max_num_batched_tokens,
+            draft_layers=draft_layers(spec, model), max_num_batched_tokens=platform.batched_tokens(targets),
             max_concurrent_batches=1 if platform.kind == "cpu" else 2,
             # vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
             ssm_dtype_bytes=4 if platform.kind == "cpu" else None,
@@ -340,8 +343,13 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
 
 def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int, spec: Speculative,
                kv_dtype: KvDtype) -> list[str]:
+    # Every figure the KV arithmetic used is passed explicitly, so no engine default can differ from the plan.
     args = ["--kv-cache-memory-bytes", str(kv_pool), "--max-model-len", str(eng.max_model_len),
-            "--max-num-seqs", str(max_num_seqs)]
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+    if any(g.kind == "linear" for g in lay.groups):
+        if eng.mamba_cache_mode == "all":
+            raise PlanError("mamba cache mode 'all' exists only in older vLLM releases; plan with 'align' or 'none'")
+        args += ["--mamba-cache-mode", eng.mamba_cache_mode]
     if kv_dtype == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
     elif kv_dtype == "fp4":

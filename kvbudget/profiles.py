@@ -11,14 +11,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvbudget.gpu import GpuInfo
+from kvbudget.gpu import GpuInfo, LowPrecisionFormats
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
 @dataclass(frozen=True)
-class GpuProfile:
+class GpuProfile(LowPrecisionFormats):
     name: str
     memory_bytes: int
     bandwidth_bytes_s: float
@@ -26,14 +26,6 @@ class GpuProfile:
     memory_is_nvml_total: bool
     aliases: tuple[str, ...] = ()
     kind: str = "workstation"
-
-    @property
-    def fp8(self) -> bool:
-        return self.compute_capability >= (8, 9)
-
-    @property
-    def fp4(self) -> bool:
-        return self.compute_capability >= (10, 0)
 
 
 PROFILES: tuple[GpuProfile, ...] = (

@@ -152,9 +152,7 @@ class EngineProxy:
         try:
             upstream = await self._send_watching_disconnect(request, upstream_req)
         except _ClientGone:
-            rec.status, rec.error_code = 499, "client_disconnected"
-            self._record(rec, t0)
-            return Response(status_code=499)
+            return self._client_gone(rec, t0)
         except httpx.HTTPError as e:
             rec.status, rec.error_code = 503, "engine_unreachable"
             self._record(rec, t0)
@@ -168,9 +166,7 @@ class EngineProxy:
             try:
                 content = await self._read_watching_disconnect(request, upstream)
             except _ClientGone:
-                rec.status, rec.error_code = 499, "client_disconnected"
-                self._record(rec, t0)
-                return Response(status_code=499)
+                return self._client_gone(rec, t0)
             except httpx.HTTPError:
                 content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
                                                 "engine_error")).encode()
@@ -182,7 +178,7 @@ class EngineProxy:
             self._relay(upstream, rec, t0, strip_usage=not client_wants_usage),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(self._record, rec, t0),
+            background=BackgroundTask(self._record_after_response, rec, t0),
         )
 
     # -- plumbing -------------------------------------------------------------------------
@@ -214,7 +210,7 @@ class EngineProxy:
             content, rec.error_code = _normalise_error(status, content)
         media = "application/json"
         return Response(content, status_code=status, media_type=media, headers=headers,
-                        background=BackgroundTask(self._record, rec, t0))
+                        background=BackgroundTask(self._record_after_response, rec, t0))
 
     async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool) -> AsyncIterator[bytes]:
         buf = b""
@@ -270,6 +266,17 @@ class EngineProxy:
                     continue
             kept.append(event + b"\n\n")
         return b"".join(kept)
+
+    def _client_gone(self, rec: RequestRecord, t0: float) -> Response:
+        # 499 (nginx's "client closed request"): nobody reads it, but the request log says what happened.
+        rec.status, rec.error_code = 499, "client_disconnected"
+        self._record(rec, t0)
+        return Response(status_code=499)
+
+    async def _record_after_response(self, rec: RequestRecord, t0: float) -> None:
+        # async on purpose: Starlette runs a plain-function background task in a worker thread,
+        # a thread hop per request for what is only a queue put.
+        self._record(rec, t0)
 
     def _record(self, rec: RequestRecord, t0: float) -> None:
         rec.total_ms = (time.perf_counter() - t0) * 1000

@@ -92,7 +92,7 @@ def test_config_check_command(tmp_path: Path):
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     good = tmp_path / "good.toml"
-    good.write_text(f'[model]\npath = "m"\n[state]\ndirectory = "state"\n')
+    good.write_text('[model]\npath = "m"\n[state]\ndirectory = "state"\n')
     r = _cli("config", "check", "--config", str(good))
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
@@ -115,3 +115,10 @@ def test_serve_refuses_a_missing_model_before_starting_anything(tmp_path: Path):
     f.write_text(f'[model]\npath = "{tmp_path}/nothing"\n[state]\ndirectory = "{tmp_path}/s"\n')
     r = _cli("serve", "--config", str(f))
     assert r.returncode == 2 and "model.path" in r.stderr and "install-default" in r.stderr
+
+
+def test_the_readme_example_is_a_valid_configuration():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = config.parse(block, source="README.md")
+    assert cfg.served_name == "smollm2-135m-instruct" and cfg.targets.workload == "chat"

@@ -113,21 +113,27 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path):
     assert sup.status.restarts == 2
 
 
-def test_supervisor_stop_during_start_leaves_nothing(tmp_path: Path):
+def _fake_engine_config(tmp_path: Path, engine_extra: str) -> config.Config:
+    """A stand-in 'interpreter' that starts a background child and then never becomes healthy."""
     fake = tmp_path / "fake-python"
     fake.write_text("#!/bin/sh\nsleep 300 &\nexec sleep 300\n")
     fake.chmod(0o755)
-    cfg = config.parse(
+    return config.parse(
         f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n'
-        f'[engine]\npython = "{fake}"\nstop_grace_s = 2\n'
+        f'[engine]\npython = "{fake}"\n{engine_extra}\n'
     )
+
+
+def test_supervisor_stop_during_start_leaves_nothing(tmp_path: Path):
+    cfg = _fake_engine_config(tmp_path, "stop_grace_s = 2")
 
     async def scenario() -> list[int]:
         sup = EngineSupervisor(cfg, [])
         await sup.start()
         await asyncio.sleep(1.5)
         assert sup.status.state is EngineState.STARTING
-        pids = [c.pid for c in psutil.Process(os.getpid()).children(recursive=True)]
+        guard = psutil.Process(sup.status.pid)
+        pids = [guard.pid] + [c.pid for c in guard.children(recursive=True)]
         assert len(pids) >= 3  # guard, fake engine, its background child
         await sup.stop()
         assert sup.status.state is EngineState.STOPPED
@@ -139,13 +145,7 @@ def test_supervisor_stop_during_start_leaves_nothing(tmp_path: Path):
 
 def test_guard_killed_the_supervisor_still_cleans_up_and_restarts(tmp_path: Path):
     """Even if the guard itself is SIGKILLed, its engine's processes (holding the log pipe) are killed."""
-    fake = tmp_path / "fake-python"
-    fake.write_text("#!/bin/sh\nsleep 300 &\nexec sleep 300\n")
-    fake.chmod(0o755)
-    cfg = config.parse(
-        f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n'
-        f'[engine]\npython = "{fake}"\nrestart_backoff_initial_s = 30\n'
-    )
+    cfg = _fake_engine_config(tmp_path, "restart_backoff_initial_s = 30")
 
     async def scenario() -> tuple[list[int], str]:
         sup = EngineSupervisor(cfg, [])

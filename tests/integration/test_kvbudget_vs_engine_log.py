@@ -1,0 +1,88 @@
+"""kvbudget's figures against what the real vLLM CPU engine logs at startup, for three model shapes:
+the embedded default (uniform full attention, through the appliance itself), a sliding-window model
+and a Gated DeltaNet hybrid (tiny random-weight models: `--load-format dummy`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvbudget.model import read_model
+from kvbudget.planner import Platform, Targets, make_plan
+from tests.support import RunningAppliance, default_model_path, free_port, shared_engine_cache, wait_for
+
+pytestmark = pytest.mark.engine
+
+ENGINE_LINE = re.compile(r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+PADDING_LINE = re.compile(r"Padding mamba page size by ([\d.]+)%")
+
+TINY = {
+    "sliding-window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_hidden_layers": 4,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32,
+                       "intermediate_size": 256, "vocab_size": 49152, "max_position_embeddings": 4096,
+                       "sliding_window": 256, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+    "gated-deltanet-hybrid": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                              "num_hidden_layers": 8, "full_attention_interval": 4, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 128, "intermediate_size": 256,
+                              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                              "shared_expert_intermediate_size": 64, "vocab_size": 49152,
+                              "max_position_embeddings": 4096, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                              "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+                              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+}
+
+
+def test_appliance_plan_matches_the_engine_log(appliance: RunningAppliance):
+    log = appliance.log_text()
+    m = ENGINE_LINE.search(log)
+    assert m, "the engine logs its KV capacity"
+    plan = httpx.get(f"{appliance.url}/v1/appliance/plan").json()
+    assert plan["kv"]["kv_tokens_reported"] == int(m.group(1).replace(",", ""))
+    assert f"{plan['kv']['max_concurrency']:.2f}" == m.group(3)
+    assert plan["targets"]["context"] == int(m.group(2).replace(",", ""))
+    # and the daemon said so in its own log before starting the engine
+    assert f"{plan['kv']['kv_tokens_reported']:,} tokens, max concurrency {m.group(3)}" in log
+
+
+@pytest.mark.parametrize("shape", list(TINY))
+def test_tiny_models_match_the_engine_log(tmp_path: Path, shape: str):
+    folder = tmp_path / shape
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY[shape]))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_path() / f, folder / f)
+    plan = make_plan(read_model(folder), None, Targets(context=2048), Platform("cpu", enforce_eager=True),
+                     kv_pool_bytes=256 << 20, max_num_seqs=8)
+    port = free_port()
+    log_path = tmp_path / "engine.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(shared_engine_cache()))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--load-format",
+             "dummy", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", *plan.vllm_args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    try:
+        wait_for(lambda: ENGINE_LINE.search(log_path.read_text(errors="replace")) or proc.poll() is not None, 300,
+                 interval=1, what="the engine's KV capacity line")
+        text = log_path.read_text(errors="replace")
+        m = ENGINE_LINE.search(text)
+        assert m, text[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert int(m.group(1).replace(",", "")) == plan.capacity.tokens_reported
+    assert m.group(3) == f"{plan.capacity.max_concurrency:.2f}"
+    if plan.layout.mamba_page_real:
+        pad = PADDING_LINE.search(text)
+        assert pad and pad.group(1) == f"{plan.layout.mamba_padding_pct:.2f}"

@@ -1,0 +1,101 @@
+"""`appliance plan` and `appliance gpus` as an operator runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbudget.gpu import discover
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "models"
+SEED = str(FIX / "qwen3.6-27b-fp8.json")
+PRO6000 = "RTX PRO 6000 Blackwell"
+
+
+def appliance(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "appliance.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_seed_audit_reproduces_the_per_token_figures_and_explains_the_gap():
+    r = appliance("plan", "--model", SEED, "--gpu", PRO6000, "--sessions", "50", "--context", "32768")
+    out = r.stdout
+    assert r.returncode == 1, "50 sessions at 32k do not fit: the seed is optimistic"
+    assert "65,536 B in the model dtype, 32,768 B in FP8 (16 of 64 layers keep KV)" in out
+    assert "97,887 MiB are 102.64 GB but 95.59 GiB" in out  # GB vs GiB
+    assert "holds back 8%" in out  # vLLM's reserve
+    assert "linear-attention state: every sequence also holds" in out and "align mode" in out
+    assert "block granularity: 1568-token blocks" in out
+    assert "TARGETS NOT MET" in out and "sessions: wanted 50 sessions at 32,768 tokens" in out
+    assert "--kv-cache-dtype fp8" in out and "--mamba-cache-mode align" in out
+    assert "Traceback" not in r.stderr
+
+
+def test_json_plan_for_machines():
+    r = appliance("plan", "--model", SEED, "--gpu", PRO6000, "--sessions", "20", "--context", "32768", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["fits"] and p["targets_met"]
+    assert p["kv"]["per_token_kv_bytes"] == 32_768 and p["kv"]["block_size"] == 1568
+    m = p["memory_bytes"]
+    assert m["kv_pool"] % p["kv"]["bytes_per_block"] == 0
+    args = p["vllm_args"]
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(m["kv_pool"])
+    assert args[args.index("--max-num-seqs") + 1] == "20"
+    assert set(p["sessions_at_context"]) >= {"4096", "32768", "131072"}
+
+
+def test_model_that_does_not_fit_at_all():
+    r = appliance("plan", "--model", str(FIX / "qwen3.5-397b-a17b.json"), "--gpu", PRO6000)
+    assert r.returncode == 1
+    assert "DOES NOT FIT" in r.stdout and "weights alone are" in r.stdout and "GB per GPU" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", str(FIX / "not-a-causal-lm.json"), "--gpu", PRO6000], "not a causal language model"),
+        (["--model", str(FIX / "missing.json"), "--gpu", PRO6000], "does not exist"),
+        (["--model", SEED, "--gpu", "Voodoo 2"], "unknown GPU 'Voodoo 2'; known: RTX PRO 6000 Blackwell"),
+        (["--model", SEED, "--gpu-memory", "0"], "must be positive"),
+        (["--model", SEED, "--gpu-memory", "-5GiB"], "is not a size"),
+        (["--model", SEED, "--gpu", "RTX A6000", "--kv-dtype", "fp8"], "compute capability 8.9"),
+        (["--model", SEED, "--gpu", PRO6000, "--sessions", "0"], "Invalid value for '--sessions'"),
+        (["--model", SEED, "--cpu"], "give the KV pool size"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path):
+    r = appliance("plan", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_fields_are_named(tmp_path):
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}))
+    r = appliance("plan", "--model", str(f), "--gpu", PRO6000)
+    assert r.returncode == 2 and "num_attention_heads" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(discover().found, reason="this machine has an NVIDIA GPU")
+def test_without_nvml_discovery_says_so_and_named_gpus_still_plan():
+    d = discover()
+    assert not d.found and d.error.startswith("no NVIDIA driver")
+    r = appliance("gpus")
+    assert r.returncode == 1 and "no NVIDIA driver" in r.stdout
+    r = appliance("gpus", "--json")
+    assert json.loads(r.stdout)["error"].startswith("no NVIDIA driver")
+    r = appliance("plan", "--model", SEED)
+    assert r.returncode == 2 and "no NVIDIA driver" in r.stderr and "--gpu" in r.stderr
+    assert appliance("plan", "--model", SEED, "--gpu", PRO6000).returncode == 0
+
+
+def test_cpu_backend_plan_with_explicit_pool():
+    r = appliance("plan", "--model", str(FIX / "llama-3.1-8b.json"), "--cpu", "--kv-pool", "1GiB", "--context", "2048",
+                  "--json")
+    p = json.loads(r.stdout)
+    assert p["platform"] == "cpu" and p["kv"]["block_size"] == 128
+    assert "--kv-cache-dtype" not in p["vllm_args"]
