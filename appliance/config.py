@@ -154,6 +154,16 @@ class Config(_Section):
 
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 
+    @model_validator(mode="after")
+    def _keys_off_loopback(self) -> "Config":
+        from appliance.api.auth import is_loopback
+
+        if self.auth.require_keys == "never" and not is_loopback(self.server.host):
+            raise ValueError(
+                f"auth.require_keys = \"never\" is only allowed on loopback; server.host is {self.server.host}"
+            )
+        return self
+
     @property
     def served_name(self) -> str:
         return self.model.served_name or self.model.path.name

@@ -20,10 +20,13 @@ import signal
 import uvicorn
 
 from appliance.api.app import create_app
+from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
 from appliance.config import Config
 from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
+from appliance.keys import KeyVerifier
+from appliance.metrics import Metrics
 from appliance.store import RequestLog
 from kvbudget.render import plan_dict
 
@@ -63,8 +66,11 @@ class Daemon:
                 upstream_timeout_s=cfg.server.upstream_timeout_s,
             ),
             self.request_log,
+            Metrics(),
         )
-        self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan))
+        self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
+        self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
+                              verifier=KeyVerifier(cfg.database_path), keys_required=self.keys_required)
 
     @property
     def api_url(self) -> str:
@@ -92,7 +98,8 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_stop_signal, server, sig)
         self.supervisor.add_listener(self._on_engine_state)
         await self.supervisor.start()
-        log.info("API listening on %s (engine loading; /readyz says 503 until it is ready)", self.api_url)
+        log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
+                 self.api_url, "required" if self.keys_required else "not required (loopback)")
         serving = asyncio.create_task(server.serve(), name="api")
         gave_up = asyncio.create_task(self.supervisor.gave_up.wait())
         try:

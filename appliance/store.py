@@ -19,7 +19,7 @@ import sqlite_utils
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class RequestRecord:
     ttft_ms: float | None = None
     total_ms: float | None = None
     error_code: str | None = None
+    key_id: str | None = None
     prompt: str | None = None
     completion: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +77,22 @@ def migrate(db: sqlite_utils.Database) -> None:
                 if_not_exists=True,
             )
             db["requests"].create_index(["ts"], if_not_exists=True)
+        if version < 2:
+            db["api_keys"].create(
+                {
+                    "id": str,
+                    "name": str,
+                    "tenant": str,
+                    "priority_class": str,
+                    "admin": int,
+                    "secret_sha256": str,  # the secret itself is never stored
+                    "created": float,
+                    "revoked": float,
+                },
+                pk="id",
+                if_not_exists=True,
+            )
+            db.execute("ALTER TABLE requests ADD COLUMN key_id TEXT")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 

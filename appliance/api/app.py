@@ -7,15 +7,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.api.auth import ApiKeyAuth
 from appliance.api.errors import ApiError, install_handlers
 from appliance.api.proxy import EngineProxy
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
+from appliance.keys import KeyVerifier
 
 
-def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None,
+               verifier: KeyVerifier | None = None, keys_required: bool = False) -> FastAPI:
     app = FastAPI(
         title="Edge LLM appliance",
         version=__version__,
@@ -23,6 +27,8 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         redoc_url=None,
     )
     install_handlers(app)
+    if verifier is not None:
+        app.add_middleware(ApiKeyAuth, verifier=verifier, required=keys_required)
     supervisor = proxy.supervisor
 
     @app.get("/healthz")
@@ -38,6 +44,15 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         if st.state is EngineState.READY:
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(proxy.settings.retry_after_s)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format: the gateway's figures and the engine's key figures."""
+        if proxy.metrics is None:
+            raise ApiError(404, "metrics are not enabled in this daemon", code="not_found")
+        proxy.metrics.observe_engine(supervisor.status)
+        await proxy.metrics.scrape_engine(proxy.client, supervisor.base_url)
+        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/appliance/plan")
     async def appliance_plan() -> dict[str, Any]:

@@ -27,6 +27,7 @@ from starlette.background import BackgroundTask
 from appliance.api.errors import ApiError, error_body
 from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
+from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,12 @@ def new_request_id() -> str:
 
 
 class EngineProxy:
-    def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None) -> None:
+    def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None,
+                 metrics: Metrics | None = None) -> None:
         self.supervisor = supervisor
         self.settings = settings
         self.request_log = request_log
+        self.metrics = metrics
         # One pooled client for the daemon's lifetime: keep-alive connections to the engine
         # save a TCP handshake per request.
         self.client = httpx.AsyncClient(
@@ -122,6 +125,9 @@ class EngineProxy:
     async def generate(self, request: Request, route: str, schema: type) -> Response:
         rid = request.headers.get("x-request-id") or new_request_id()
         t0 = time.perf_counter()
+        key = request.scope.get("state", {}).get("api_key")
+        key_id = key.id if key else None
+        extra = {"class": key.priority_class} if key else {}
         body: Any = None
         try:
             body = await self.read_json(request)
@@ -131,7 +137,7 @@ class EngineProxy:
         except ApiError as e:
             model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
             self._record(RequestRecord(id=rid, ts=time.time(), route=route, model=model, status=e.status,
-                                       stream=False, error_code=e.code), t0)
+                                       stream=False, error_code=e.code, key_id=key_id, extra=extra), t0)
             e.headers.setdefault("X-Request-Id", rid)
             raise
 
@@ -143,7 +149,7 @@ class EngineProxy:
             body["stream_options"] = opts
 
         rec = RequestRecord(
-            id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream,
+            id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream, key_id=key_id, extra=extra,
             prompt=_prompt_text(body) if self.request_log and self.request_log.keep_text else None,
         )
         upstream_req = self.client.build_request(
@@ -280,6 +286,8 @@ class EngineProxy:
 
     def _record(self, rec: RequestRecord, t0: float) -> None:
         rec.total_ms = (time.perf_counter() - t0) * 1000
+        if self.metrics is not None:
+            self.metrics.observe_request(rec, rec.extra.get("class"))
         if self.request_log is not None:
             self.request_log.record(rec)
 

@@ -1,0 +1,79 @@
+"""API-key access control for every route but /healthz and /readyz.
+
+Unlike vLLM's own --api-key (which guards only /v1 routes), the key is checked before routing, so an
+unknown route is 401 too and nothing answers unauthenticated but the two probes. Admin routes
+(/v1/appliance/*, /v1/escalations*) need a key created with --admin. Keys are never logged: the request
+log records the key's public id only.
+
+A plain ASGI middleware, not Starlette's BaseHTTPMiddleware, which would wrap every streamed event.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from appliance.api.errors import ApiError
+from appliance.keys import KeyVerifier
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+ADMIN_PREFIXES = ("/v1/appliance/", "/v1/escalations")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def keys_required(mode: str, host: str) -> bool:
+    return mode == "always" or (mode == "auto" and not is_loopback(host))
+
+
+def _presented_key(scope: dict[str, Any]) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+        elif name == b"x-api-key" and value:
+            return value.decode("latin-1").strip()
+    return None
+
+
+class ApiKeyAuth:
+    def __init__(self, app: Any, verifier: KeyVerifier, required: bool) -> None:
+        self.app = app
+        self.verifier = verifier
+        self.required = required
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        token = _presented_key(scope)
+        key = None
+        if token is not None:
+            key = self.verifier.verify(token)
+            if key is None:
+                await _deny(scope, receive, send, 401, "the API key is not valid or has been revoked", "invalid_api_key")
+                return
+        elif self.required:
+            await _deny(scope, receive, send, 401,
+                        "an API key is required: send 'Authorization: Bearer <key>' (create one with "
+                        "`appliance keys create`)", "missing_api_key")
+            return
+        if scope["path"].startswith(ADMIN_PREFIXES) and (self.required or key is not None) and not (key and key.admin):
+            await _deny(scope, receive, send, 403, "this route needs an admin key (`appliance keys create --admin`)",
+                        "admin_scope_required")
+            return
+        scope.setdefault("state", {})["api_key"] = key
+        await self.app(scope, receive, send)
+
+
+async def _deny(scope: Any, receive: Any, send: Any, status: int, message: str, code: str) -> None:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    await ApiError(status, message, code=code, headers=headers).response()(scope, receive, send)

@@ -1,0 +1,92 @@
+"""Prometheus metrics at /metrics (prometheus-client): the gateway's own figures, and the engine's key
+figures re-exported from its private port (which is not reachable from outside the box)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.engine.supervisor import EngineState, EngineStatus
+from appliance.store import RequestRecord
+
+log = logging.getLogger(__name__)
+
+# The engine families worth a fleet operator's dashboard (ENGINE-NOTES.md lists them all).
+ENGINE_FAMILIES = frozenset({
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+    "vllm:cache_config_info",
+})
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+
+
+class _EngineFamilies:
+    """A collector that yields the families last scraped from the engine."""
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self.families)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("appliance_requests", "Requests by route, status and priority class",
+                                ["route", "status", "class"], registry=r)
+        self.ttft = Histogram("appliance_time_to_first_token_seconds", "Streamed requests: first token at the gateway",
+                              ["route", "class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("appliance_time_per_output_token_seconds", "Streamed requests: per token after the first",
+                              ["route", "class"], buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("appliance_request_duration_seconds", "Whole request at the gateway",
+                                  ["route", "class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_up = Gauge("appliance_engine_state", "1 for the engine's current state", ["state"], registry=r)
+        self.engine_restarts = Counter("appliance_engine_restarts", "Engine restarts by the supervisor", registry=r)
+        self.engine_scrape_errors = Counter("appliance_engine_scrape_errors", "Failed reads of the engine's /metrics",
+                                            registry=r)
+        self._engine = _EngineFamilies()
+        r.register(self._engine)
+        self._restarts_seen = 0
+
+    def observe_request(self, rec: RequestRecord, priority_class: str | None) -> None:
+        cls = priority_class or "none"
+        self.requests.labels(rec.route, str(rec.status), cls).inc()
+        if rec.total_ms is not None:
+            self.duration.labels(rec.route, cls).observe(rec.total_ms / 1000)
+        if rec.stream and rec.ttft_ms is not None and rec.status == 200:
+            self.ttft.labels(rec.route, cls).observe(rec.ttft_ms / 1000)
+            if rec.completion_tokens and rec.completion_tokens > 1 and rec.total_ms is not None:
+                per_token = (rec.total_ms - rec.ttft_ms) / 1000 / (rec.completion_tokens - 1)
+                self.tpot.labels(rec.route, cls).observe(per_token)
+
+    def observe_engine(self, st: EngineStatus) -> None:
+        for s in EngineState:
+            self.engine_up.labels(s.value).set(1 if s is st.state else 0)
+        if st.restarts > self._restarts_seen:
+            self.engine_restarts.inc(st.restarts - self._restarts_seen)
+            self._restarts_seen = st.restarts
+
+    async def scrape_engine(self, client: httpx.AsyncClient, base_url: str | None) -> None:
+        if base_url is None:
+            self._engine.families = []
+            return
+        try:
+            r = await client.get(f"{base_url}/metrics", timeout=2.0)
+            r.raise_for_status()
+            self._engine.families = [f for f in text_string_to_metric_families(r.text) if f.name in ENGINE_FAMILIES]
+        except (httpx.HTTPError, ValueError) as e:
+            self.engine_scrape_errors.inc()
+            self._engine.families = []
+            log.debug("engine metrics unavailable: %s", e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,36 @@
+"""The real FastAPI app in-process, with its proxy's engine never started (no vLLM needed)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from appliance import config, keys
+from appliance.api.app import create_app
+from appliance.api.proxy import EngineProxy, GatewaySettings
+from appliance.engine.supervisor import EngineSupervisor
+from appliance.metrics import Metrics
+from appliance.store import RequestLog
+
+
+def app(tmp_path: Path, required: bool, ttl: float = 5.0):
+    cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
+    log = RequestLog(cfg.database_path, keep_text=False)
+    log.start()
+    proxy = EngineProxy(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics())
+    application = create_app(proxy, plan=lambda: {"fits": True}, verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl),
+                     keys_required=required)
+    return cfg, application, log
+
+
+def call(app, method: str, path: str, key: str | None = None, json: dict | None = None, header: str = "bearer"):
+    async def go() -> httpx.Response:
+        headers = {}
+        if key is not None:
+            headers = {"Authorization": f"Bearer {key}"} if header == "bearer" else {"X-API-Key": key}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, headers=headers, json=json)
+
+    return asyncio.run(go())
