@@ -55,18 +55,19 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         token = _presented_key(scope)
-        key = None
-        if token is not None:
-            key = self.verifier.verify(token)
-            if key is None:
+        key = self.verifier.verify(token) if token is not None else None
+        if token is not None and key is None:
+            if self.required:
                 await _deny(scope, receive, send, 401, "the API key is not valid or has been revoked", "invalid_api_key")
                 return
-        elif self.required:
+            # Keys not required (loopback): OpenAI clients always send some key, often a placeholder;
+            # an unrecognised one means an anonymous caller, not an error.
+        elif token is None and self.required:
             await _deny(scope, receive, send, 401,
                         "an API key is required: send 'Authorization: Bearer <key>' (create one with "
                         "`appliance keys create`)", "missing_api_key")
             return
-        if scope["path"].startswith(ADMIN_PREFIXES) and (self.required or key is not None) and not (key and key.admin):
+        if scope["path"].startswith(ADMIN_PREFIXES) and self.required and not (key and key.admin):
             await _deny(scope, receive, send, 403, "this route needs an admin key (`appliance keys create --admin`)",
                         "admin_scope_required")
             return

@@ -79,14 +79,19 @@ def test_admin_scope(tmp_path):
         log.close()
 
 
-def test_loopback_without_keys_is_open_but_a_bad_key_is_still_refused(tmp_path):
+def test_loopback_without_keys_is_open_and_placeholder_keys_are_anonymous(tmp_path):
     cfg, app, log = _app(tmp_path, required=False)
+    key, secret = keys.create(cfg.database_path, "kiosk", priority_class="bronze")
     try:
         assert _call(app, "GET", "/v1/models").status_code == 503
         assert _call(app, "GET", "/v1/appliance/plan").status_code == 200
-        assert _call(app, "GET", "/v1/models", key="apk_x_y").status_code == 401
+        # OpenAI clients always send a key; a placeholder must not lock a loopback user out
+        assert _call(app, "GET", "/v1/models", key="sk-placeholder").status_code == 503
+        assert _call(app, "POST", "/v1/chat/completions", key=secret, json=CHAT).status_code == 503
     finally:
         log.close()
+    rows = sqlite3.connect(cfg.database_path).execute("select key_id from requests").fetchall()
+    assert rows == [(key.id,)]  # a valid key still counts (tenant, class) on loopback
 
 
 def test_no_secret_in_logs_or_request_log(tmp_path, caplog):
