@@ -22,12 +22,14 @@ import uvicorn
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
-from appliance.config import Config
+from appliance.config import Config, ConfigError
+from appliance.config import load as load_config
 from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.keys import KeyVerifier
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
+from appliance.systemd import Notifier
 from kvbudget.render import plan_dict
 
 log = logging.getLogger("appliance")
@@ -69,8 +71,12 @@ class Daemon:
             Metrics(),
         )
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
+        self.verifier = KeyVerifier(cfg.database_path)
         self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
-                              verifier=KeyVerifier(cfg.database_path), keys_required=self.keys_required)
+                              verifier=self.verifier, keys_required=self.keys_required)
+        self.notifier = Notifier()
+        self._server: uvicorn.Server | None = None
+        self._ready_sent = False
 
     @property
     def api_url(self) -> str:
@@ -93,11 +99,15 @@ class Daemon:
                 timeout_graceful_shutdown=10,
             )
         )
+        self._server = server
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self._on_stop_signal, server, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
         self.supervisor.add_listener(self._on_engine_state)
+        self.notifier.status("starting: loading model")
         await self.supervisor.start()
+        background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog())]
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
                  self.api_url, "required" if self.keys_required else "not required (loopback)")
         serving = asyncio.create_task(server.serve(), name="api")
@@ -115,6 +125,9 @@ class Daemon:
             return EXIT_OK
         finally:
             gave_up.cancel()
+            for task in background:
+                task.cancel()
+            self.notifier.stopping()
             log.info("stopping the engine")
             await self.supervisor.stop()
             await self.proxy.aclose()
@@ -141,8 +154,66 @@ class Daemon:
     def _on_engine_state(self, st: EngineStatus) -> None:
         if st.state is EngineState.READY:
             log.info("ready: model '%s' served at %s", self.cfg.served_name, self.api_url)
+            asyncio.get_running_loop().create_task(self._announce_ready())
+            return
+        log.info("engine %s: %s", st.state.value, st.reason)
+        status = {
+            EngineState.STARTING: f"starting: {st.reason}",
+            EngineState.RESTARTING: f"degraded: engine restarting ({st.reason})",
+            EngineState.FAILED: f"failed: {st.reason}",
+        }.get(st.state)
+        if status:
+            self.notifier.status(status)
+
+    async def _announce_ready(self) -> None:
+        """READY=1 once: the engine answers and the API listens. After a restart, STATUS only."""
+        while self._server is not None and not self._server.started:
+            await asyncio.sleep(0.05)
+        status = f"serving: {self.cfg.served_name} at {self.api_url}"
+        if self._ready_sent:
+            self.notifier.status(status)
         else:
-            log.info("engine %s: %s", st.state.value, st.reason)
+            self._ready_sent = True
+            self.notifier.ready(status)
+
+    async def _extend_start_timeout(self) -> None:
+        """Keep TimeoutStartSec from firing while a first start (load, compile, warm-up) makes progress."""
+        while not self._ready_sent and self.supervisor.status.state is EngineState.STARTING:
+            self.notifier.extend_timeout()
+            await asyncio.sleep(20)
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 from the event loop itself: a wedged loop stops pinging and systemd restarts us.
+
+        An engine restart is the supervisor doing its job, so pings continue through it; a supervisor
+        that gave up makes the daemon exit non-zero instead.
+        """
+        interval = self.notifier.watchdog_interval_s
+        if not interval:
+            return
+        while not self.supervisor.gave_up.is_set():
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""
+        self.notifier.reloading()
+        try:
+            new = load_config(self.cfg.source)
+        except ConfigError as e:
+            log.error("reload refused, keeping the running configuration: %s", e)
+        else:
+            old_d, new_d = self.cfg.model_dump(), new.model_dump()
+            self.request_log.keep_text = new.state.log_prompts
+            self.verifier.clear()  # revocations take effect now
+            live = {"state"}
+            needs_restart = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in live)
+            if needs_restart:
+                log.warning("reload: changes to %s take effect at the next restart", ", ".join(needs_restart))
+            self.cfg = self.cfg.model_copy(update={"state": new.state})
+            log.info("configuration reloaded from %s", self.cfg.source)
+        status = f"serving: {self.cfg.served_name} at {self.api_url}" if self.supervisor.ready else "starting"
+        self.notifier.ready(status) if self._ready_sent else self.notifier.status(status)
 
 
 def serve(cfg: Config, site_plan: SitePlan) -> int:

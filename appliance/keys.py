@@ -130,6 +130,10 @@ class KeyVerifier:
         # constant-time comparison of the hashes: timing reveals nothing about the secret
         return key if hmac.compare_digest(_hash(secret), stored) else None
 
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
     def _load(self, key_id: str) -> tuple[ApiKey | None, str | None]:
         if self._db is None:
             self._db = open_db(self.db_path)

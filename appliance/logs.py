@@ -1,4 +1,4 @@
-"""Logging setup: one line per event on stderr (the journal picks stderr up under systemd)."""
+"""Logging setup: structured journal entries under systemd, one line per event on stderr otherwise."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ def setup(level: str = "INFO") -> None:
     if getattr(setup, "_done", False):
         root.setLevel(level)
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    from appliance.systemd import journal_handler, under_systemd
+
+    handler = journal_handler() if under_systemd() else None
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(level)
     # uvicorn's per-request access log would duplicate the appliance's request log.

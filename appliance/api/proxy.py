@@ -240,7 +240,7 @@ class EngineProxy:
             # The engine went away mid-answer: end the stream with an error event the
             # OpenAI client raises on, instead of a silent truncation.
             rec.status, rec.error_code = 502, "engine_stream_broken"
-            log.warning("stream %s broke off: %s", rec.id, type(e).__name__)
+            log.warning("stream %s broke off: %s", rec.id, type(e).__name__, extra={"REQUEST_ID": rec.id})
             err = error_body("the engine stopped while streaming this answer; retry", "server_error", None,
                              "engine_stream_broken")
             yield b"data: " + json.dumps(err).encode() + b"\n\n"

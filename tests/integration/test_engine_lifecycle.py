@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import signal
+import socket
+import threading
+from pathlib import Path
 
 import httpx
 import psutil
@@ -30,15 +33,61 @@ def _engine_core_started(app: RunningAppliance) -> list[psutil.Process] | None:
     return procs if "EngineCore" in names and "api_server" in names else None
 
 
+class NotifyListener:
+    """A NOTIFY_SOCKET of our own: what systemd would receive from the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.messages: list[str] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.messages.append(self._sock.recv(4096).decode())
+            except OSError:
+                continue
+
+    def index(self, prefix: str, start: int = 0) -> int:
+        return next(i for i, m in enumerate(self.messages) if i >= start and m.startswith(prefix))
+
+    def has(self, prefix: str, start: int = 0) -> bool:
+        return any(m.startswith(prefix) for m in self.messages[start:])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close()
+
+
 @pytest.fixture()
-def fresh(tmp_path) -> RunningAppliance:
-    app = start_appliance(tmp_path)
+def notify(tmp_path) -> NotifyListener:
+    listener = NotifyListener(tmp_path / "notify.sock")
+    yield listener
+    listener.close()
+
+
+@pytest.fixture()
+def fresh(tmp_path, notify) -> RunningAppliance:
+    app = start_appliance(tmp_path / "app", env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"})
     yield app
     app.stop(signal.SIGKILL)
 
 
-def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: RunningAppliance):
+def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: RunningAppliance,
+                                                                          notify: NotifyListener):
     fresh.wait_ready()
+    # systemd: progress while starting, READY=1 only once the engine answers and the API listens
+    wait_for(lambda: notify.has("READY=1"), 10, what="READY=1")
+    ready_at = notify.index("READY=1")
+    assert notify.index("STATUS=starting") < ready_at and notify.index("EXTEND_TIMEOUT_USEC=") < ready_at
+    assert "STATUS=serving: smollm2-135m-instruct" in notify.messages[ready_at]
+    wait_for(lambda: notify.messages.count("WATCHDOG=1") >= 2, 10, what="watchdog pings at half WATCHDOG_USEC")
     body = {"model": fresh.served_name, "prompt": "Hello", "max_tokens": 2}
     assert httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
 
@@ -55,8 +104,19 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert r.status_code == 503 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["code"] == "engine_not_ready"
 
+    assert wait_for(lambda: notify.has("STATUS=degraded: engine restarting", ready_at), 10, what="degraded STATUS")
+    pings_before = notify.messages.count("WATCHDOG=1")
     # Self-healing: the supervisor starts a new engine and the API serves again.
     fresh.wait_ready(timeout=300)
+    assert notify.messages.count("WATCHDOG=1") > pings_before, "an engine restart is no reason to stop pinging"
+    wait_for(lambda: notify.has("STATUS=serving", ready_at + 1), 10, what="serving STATUS after the restart")
+    assert notify.messages.count("READY=1\n" + notify.messages[ready_at].split("\n", 1)[1]) == 1
+
+    # SIGHUP: RELOADING=1, then READY=1 again
+    mark = len(notify.messages)
+    fresh.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: notify.has("READY=1", mark), 10, what="READY=1 after the reload")
+    assert notify.index("RELOADING=1", mark) < notify.index("READY=1", mark)
     assert httpx.get(f"{fresh.url}/readyz").json()["engine"]["restarts"] == 1
     assert httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
 
@@ -68,6 +128,7 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert _alive(everything) == []
     log = fresh.log_text()
     assert "stopping the engine" in log and "INFO    appliance: stopped" in log
+    assert notify.has("STOPPING=1")
 
 
 def test_appliance_sigkill_leaves_no_engine_behind(fresh: RunningAppliance):
