@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,17 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _running_requests(app: RunningAppliance) -> float:
+    try:
+        text = httpx.get(f"{app.engine_url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _engine_core_started(app: RunningAppliance) -> list[psutil.Process] | None:
@@ -91,8 +103,32 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     body = {"model": fresh.served_name, "prompt": "Hello", "max_tokens": 2}
     assert httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
 
+    # Streams in flight when the engine dies must each end, promptly, with a clear error event.
+    outcomes: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        long = {"model": fresh.served_name, "prompt": f"Story {i}:", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}
+        try:
+            with httpx.stream("POST", f"{fresh.url}/v1/completions", json=long, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            outcomes[i] = "error-event" if any('"engine_stream_broken"' in line for line in lines) else "ended"
+        except httpx.HTTPError as e:
+            outcomes[i] = f"transport error {type(e).__name__}"
+
+    streams = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in streams:
+        t.start()
+    wait_for(lambda: _running_requests(fresh) >= 4, 30, what="four streams running in the engine")
+
     api_server = next(p for p in fresh.engine_processes() if "api_server" in " ".join(p.cmdline()))
+    killed_at = time.monotonic()
     api_server.send_signal(signal.SIGKILL)
+    for t in streams:
+        t.join(30)
+    assert all(not t.is_alive() for t in streams), "a client stream hung after the engine died"
+    assert time.monotonic() - killed_at < 30
+    assert outcomes == {i: "error-event" for i in range(4)}, outcomes
 
     r = wait_for(lambda: (x := httpx.get(f"{fresh.url}/readyz")).status_code == 503 and x, 10,
                  what="/readyz to turn 503")
