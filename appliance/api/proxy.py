@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _USAGE_MARK = b'"usage":{'
 _EMPTY_CHOICES = b'"choices":[]'
-_DONE = b"data: [DONE]"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,20 @@ class EngineProxy:
 
     async def list_models(self, request: Request) -> Response:
         base = self.require_ready()
-        r = await self.client.get(f"{base}/v1/models", headers=self._auth())
+        try:
+            r = await self.client.get(f"{base}/v1/models", headers=self._auth())
+        except httpx.HTTPError as e:
+            raise self._unreachable(e) from None
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    def _unreachable(self, e: Exception) -> ApiError:
+        return ApiError(503, f"the engine did not answer ({type(e).__name__}); retry later", code="engine_unreachable",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
     async def generate(self, request: Request, route: str, schema: type) -> Response:
-        rid = request.headers.get("x-request-id") or new_request_id()
+        # A client's id is kept when it is a plain token; anything else (it reaches vLLM and the logs) is replaced.
+        given = request.headers.get("x-request-id", "")
+        rid = given if _REQUEST_ID.fullmatch(given) else new_request_id()
         t0 = time.perf_counter()
         key = request.scope.get("state", {}).get("api_key")
         key_id = key.id if key else None
@@ -162,10 +172,7 @@ class EngineProxy:
         except httpx.HTTPError as e:
             rec.status, rec.error_code = 503, "engine_unreachable"
             self._record(rec, t0)
-            raise ApiError(
-                503, f"the engine did not answer ({type(e).__name__}); retry later", code="engine_unreachable",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            ) from None
+            raise self._unreachable(e) from None
 
         headers = {"X-Request-Id": rid}
         if upstream.status_code != 200 or not stream:

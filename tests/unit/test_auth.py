@@ -136,3 +136,4 @@ def test_keys_cli(tmp_path):
     assert "revoked" in cli("list").stdout
     assert cli("revoke", "missing").returncode == 1
     assert cli("create", "--name", "x", "--class", "platinum").returncode == 2
+
