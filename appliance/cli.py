@@ -7,6 +7,7 @@ Exit statuses: 0 success, 1 runtime failure (engine gave up, checks failed),
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -58,12 +59,23 @@ def serve(config_path: Path | None, log_level: str) -> None:
             click.echo(f"error: {p}", err=True)
         sys.exit(EXIT_USAGE)
     logs.setup(log_level.upper())
+    model_check = None
+    if cfg.model.verify != "off":
+        from appliance import model_pin
+
+        with model_pin.progress_bar(cfg.model.path, "verifying model") as bar:
+            model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+        if not model_check.ok and cfg.model.verify == "fail":
+            click.echo(f"error: {model_check.describe()}; refusing to start (model.verify = \"fail\")", err=True)
+            sys.exit(EXIT_USAGE)
+        (logging.getLogger("appliance").warning if not model_check.ok else logging.getLogger("appliance").info)(
+            "%s", model_check.describe())
     try:
         site_plan = plan_for_config(cfg)
     except PlanningError as e:
         click.echo(f"error: cannot plan the engine: {e}", err=True)
         sys.exit(EXIT_USAGE)
-    sys.exit(run_daemon(cfg, site_plan))
+    sys.exit(run_daemon(cfg, site_plan, model_check))
 
 
 @main.group("config")
@@ -302,6 +314,59 @@ def keys_revoke(config_path: Path | None, key_id: str) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     click.echo(f"revoked {key.id} ({key.name})")
+
+
+def _model_folder(config_path: Path | None, model: Path | None) -> tuple[Path, str | None]:
+    if model is not None:
+        return model, None
+    cfg = _load(config_path)
+    return cfg.model.path, cfg.model.digest or None
+
+
+@model_group.command("pin")
+@config_option
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Model folder (default: model.path from the configuration).")
+def model_pin_cmd(config_path: Path | None, model: Path | None) -> None:
+    """Write the folder's manifest (every file's size and sha256) into it and print its digest."""
+    from appliance import model_pin
+
+    folder, _ = _model_folder(config_path, model)
+    if not folder.is_dir():
+        click.echo(f"error: {folder} is not a folder", err=True)
+        sys.exit(EXIT_USAGE)
+    with model_pin.progress_bar(folder, "hashing model") as bar:
+        manifest = model_pin.pin(folder, bar.update)
+    click.echo(f"pinned {len(manifest.files)} files, {manifest.total_bytes:,} bytes; "
+               f"set model.digest = \"{manifest.digest}\" to pin it fleet-wide", err=True)
+    click.echo(manifest.digest)
+
+
+@model_group.command("verify")
+@config_option
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--digest", default=None, help="Expected digest (default: model.digest, else the folder's manifest).")
+def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str | None) -> None:
+    """Check the model folder against its pin; exit 1 naming each changed, missing or unexpected file."""
+    from appliance import model_pin
+
+    folder, pinned = _model_folder(config_path, model)
+    if not folder.is_dir():
+        click.echo(f"error: {folder} is not a folder", err=True)
+        sys.exit(EXIT_USAGE)
+    try:
+        with model_pin.progress_bar(folder, "verifying model") as bar:
+            result = model_pin.check(folder, digest or pinned, bar.update)
+    except ValueError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    if result.pinned is None:
+        click.echo(f"error: {result.describe()}", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(result.describe())
+    for d in result.differences:
+        click.echo(f"  {d.problem:12} {d.path}")
+    sys.exit(0 if result.ok else 1)
 
 
 @main.command("requests")

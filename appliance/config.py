@@ -44,6 +44,11 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     path: Path = Field(description="Local folder of the HF model (config.json, tokenizer, safetensors).")
     served_name: str = Field(default="", description="Model id clients send; default: the folder name.")
+    digest: str = Field(default="", pattern=r"^(sha256:[0-9a-f]{64})?$",
+                        description="The pinned artifact digest (`appliance model pin` prints it).")
+    verify: Literal["fail", "warn", "off"] = Field(
+        default="warn", description="At start: refuse (fail) or log (warn) a model that does not match its pin."
+    )
 
     @field_validator("served_name")
     @classmethod

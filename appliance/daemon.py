@@ -19,6 +19,7 @@ import signal
 
 import uvicorn
 
+from appliance import __version__
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
@@ -28,6 +29,7 @@ from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.keys import KeyVerifier
 from appliance.metrics import Metrics
+from appliance.model_pin import ModelCheck
 from appliance.store import RequestLog
 from appliance.systemd import Notifier
 from kvbudget.render import plan_dict
@@ -54,9 +56,10 @@ EXIT_ENGINE_FAILED = 1
 
 
 class Daemon:
-    def __init__(self, cfg: Config, site_plan: SitePlan) -> None:
+    def __init__(self, cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None) -> None:
         self.cfg = cfg
         self.site_plan = site_plan
+        self.model_check = model_check
         self.request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
         self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
         self.proxy = EngineProxy(
@@ -70,13 +73,37 @@ class Daemon:
             self.request_log,
             Metrics(),
         )
+        if model_check is not None:
+            self.proxy.metrics.model_info.labels(cfg.served_name, model_check.digest,
+                                                 str(model_check.ok).lower()).set(1)
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
         self.verifier = KeyVerifier(cfg.database_path)
         self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
-                              verifier=self.verifier, keys_required=self.keys_required)
+                              verifier=self.verifier, keys_required=self.keys_required, status=self.status)
         self.notifier = Notifier()
         self._server: uvicorn.Server | None = None
         self._ready_sent = False
+
+    def status(self) -> dict:
+        """GET /v1/appliance/status: what a fleet operator compares across sites."""
+        mc = self.model_check
+        p = self.site_plan.plan
+        return {
+            "version": __version__,
+            "engine": self.supervisor.status.as_dict(),
+            "model": {
+                "served_name": self.cfg.served_name,
+                "path": str(self.cfg.model.path),
+                "digest": mc.digest if mc else None,
+                "pinned": mc.pinned if mc else None,
+                "matches_pin": mc.ok if mc and mc.pinned else None,
+            },
+            "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
+                     "max_num_seqs": p.max_num_seqs,
+                     "kv_tokens": p.capacity.tokens_reported if p.capacity else None,
+                     "targets_met": p.targets_met},
+            "devices": self.site_plan.discovery.as_dict(),
+        }
 
     @property
     def api_url(self) -> str:
@@ -216,8 +243,8 @@ class Daemon:
         self.notifier.ready(status) if self._ready_sent else self.notifier.status(status)
 
 
-def serve(cfg: Config, site_plan: SitePlan) -> int:
-    daemon = Daemon(cfg, site_plan)
+def serve(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None) -> int:
+    daemon = Daemon(cfg, site_plan, model_check)
     try:
         import uvloop
     except ImportError:  # uvloop is optional; asyncio's own loop works, a little slower

@@ -53,6 +53,8 @@ class Metrics:
         self.engine_restarts = Counter("appliance_engine_restarts", "Engine restarts by the supervisor", registry=r)
         self.engine_scrape_errors = Counter("appliance_engine_scrape_errors", "Failed reads of the engine's /metrics",
                                             registry=r)
+        self.model_info = Gauge("appliance_model_info", "The served model's artifact digest (1 = this one)",
+                                ["model", "digest", "matches_pin"], registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0

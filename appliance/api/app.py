@@ -19,7 +19,8 @@ from appliance.keys import KeyVerifier
 
 
 def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None,
-               verifier: KeyVerifier | None = None, keys_required: bool = False) -> FastAPI:
+               verifier: KeyVerifier | None = None, keys_required: bool = False,
+               status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     app = FastAPI(
         title="Edge LLM appliance",
         version=__version__,
@@ -53,6 +54,13 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         proxy.metrics.observe_engine(supervisor.status)
         await proxy.metrics.scrape_engine(proxy.client, supervisor.base_url)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/appliance/status")
+    async def appliance_status() -> dict[str, Any]:
+        """Version, engine state, model digest and pin, plan summary, devices."""
+        if status is None:
+            raise ApiError(404, "no status in this daemon", code="not_found")
+        return status()
 
     @app.get("/v1/appliance/plan")
     async def appliance_plan() -> dict[str, Any]:

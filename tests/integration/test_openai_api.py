@@ -7,6 +7,7 @@ import re
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -275,3 +276,14 @@ def test_metrics_have_gateway_latencies_and_engine_figures(oai: openai.OpenAI, a
     # the engine's own figures, re-exported from its private port
     assert re.search(r"^vllm:kv_cache_usage_perc\{.*\} \S+$", text, re.M)
     assert re.search(r"^vllm:prefix_cache_queries_total\{.*\} \S+$", text, re.M)
+
+
+def test_status_and_metrics_carry_the_model_digest(appliance: RunningAppliance):
+    from kernels.manifest import build
+
+    status = httpx.get(f"{appliance.url}/v1/appliance/status").json()
+    digest = build(Path(status["model"]["path"])).digest
+    assert status["model"]["digest"] == digest and status["engine"]["state"] == "ready"
+    assert status["plan"]["max_model_len"] == 2048
+    metrics = httpx.get(f"{appliance.url}/metrics").text
+    assert f'digest="{digest}"' in metrics
