@@ -282,7 +282,9 @@ def check_runtime(cfg: Config) -> list[str]:
     elif not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
         problems.append(f"model.path {mp} has no weight files (*.safetensors or *.bin)")
     sd = cfg.state.directory
-    probe = sd if sd.exists() else sd.parent
-    if not os.access(probe, os.W_OK):
-        problems.append(f"state.directory {sd} is not writable by this user")
+    probe = sd
+    while not probe.exists() and probe != probe.parent:  # the daemon creates the missing part
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        problems.append(f"state.directory {sd} cannot be created or written by this user ({probe} is not writable)")
     return problems

@@ -122,3 +122,16 @@ def test_the_readme_example_is_a_valid_configuration():
     block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     cfg = config.parse(block, source="README.md")
     assert cfg.served_name == "smollm2-135m-instruct" and cfg.targets.workload == "chat"
+
+
+def test_runtime_check_accepts_a_state_directory_it_will_create(tmp_path: Path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{tmp_path}/not/yet/there"\n')
+    assert config.check_runtime(cfg) == []
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{blocked}/state"\n')
+    assert "cannot be created" in config.check_runtime(cfg)[0]
