@@ -61,6 +61,9 @@ class Daemon:
         self.site_plan = site_plan
         self.model_check = model_check
         self.request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
+        self.metrics = Metrics()
+        if model_check is not None:
+            self.metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)
         self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
         self.proxy = EngineProxy(
             self.supervisor,
@@ -71,11 +74,8 @@ class Daemon:
                 upstream_timeout_s=cfg.server.upstream_timeout_s,
             ),
             self.request_log,
-            Metrics(),
+            self.metrics,
         )
-        if model_check is not None:
-            self.proxy.metrics.model_info.labels(cfg.served_name, model_check.digest,
-                                                 str(model_check.ok).lower()).set(1)
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
         self.verifier = KeyVerifier(cfg.database_path)
         self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
