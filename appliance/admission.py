@@ -1,0 +1,216 @@
+"""Admission control by priority class: admit, queue, or refuse at once with a reason.
+
+A request that would miss its class's TTFT target is refused immediately (429 with Retry-After)
+instead of queuing until it times out: a queue that grows past what can be served in time only turns
+into tail latency (section 7.4 of the seed; SLO-aware request management in 004).
+
+`decide` is pure: a request and a snapshot of the load in, a verdict out. `AdmissionGate` holds the live
+state (slots in flight per class, the queues, moving averages of service time and prefill speed) and
+hands freed slots to gold before silver before bronze, first come first served within a class.
+
+Not wired into the API yet: that lands with the overload test and benchmark of the same issue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+CLASSES = ("gold", "silver", "bronze")  # highest priority first
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    ttft_target_s: float
+    max_tokens: int
+    queue_limit: int
+    reserved_share: float = 0.0  # of capacity, usable by this class only
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    capacity: int  # requests the engine runs at once (the plan's max_num_seqs)
+    classes: Mapping[str, ClassPolicy]
+    kv_high_water: float = 0.95  # above this KV usage vLLM would preempt: no new admissions
+
+    def __post_init__(self) -> None:
+        if self.capacity <= 0:
+            raise ValueError("capacity must be positive")
+        unknown = set(self.classes) - set(CLASSES)
+        if unknown:
+            raise ValueError(f"unknown classes {sorted(unknown)}; use {', '.join(CLASSES)}")
+        if sum(self.reserved_slots(c) for c in self.classes) > self.capacity:
+            raise ValueError("reserved shares add up to more than the capacity")
+
+    def reserved_slots(self, cls: str) -> int:
+        return math.floor(self.classes[cls].reserved_share * self.capacity)
+
+    @property
+    def shared_slots(self) -> int:
+        return self.capacity - sum(self.reserved_slots(c) for c in self.classes)
+
+    def usable_slots(self, cls: str) -> int:
+        return self.reserved_slots(cls) + self.shared_slots
+
+
+@dataclass(frozen=True)
+class Load:
+    in_flight: Mapping[str, int]
+    queued: Mapping[str, int]
+    service_time_s: float  # how long a request holds a slot (moving average)
+    prefill_tokens_per_s: float  # moving average
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    cls: str
+    prompt_tokens: int
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Literal["admit", "queue", "reject"]
+    predicted_ttft_s: float
+    status: int = 200
+    code: str | None = None
+    message: str = ""
+    retry_after_s: int | None = None
+
+
+def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str) -> bool:
+    if load.kv_usage >= cfg.kv_high_water:
+        return False
+    if load.in_flight.get(cls, 0) < cfg.reserved_slots(cls):
+        return True
+    shared_used = sum(max(0, load.in_flight.get(c, 0) - cfg.reserved_slots(c)) for c in cfg.classes)
+    return shared_used < cfg.shared_slots
+
+
+def ahead_of(load: Load, cls: str) -> int:
+    """Queued requests that will be served before a new one of this class."""
+    rank = CLASSES.index(cls)
+    return sum(load.queued.get(c, 0) for c in CLASSES[: rank + 1])
+
+
+def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
+    pol = cfg.classes.get(req.cls)
+    if pol is None:
+        return Verdict("reject", 0.0, 400, "unknown_priority_class", f"no admission policy for class {req.cls!r}")
+    prefill = req.prompt_tokens / load.prefill_tokens_per_s
+    if req.max_tokens is not None and req.max_tokens > pol.max_tokens:
+        return Verdict("reject", prefill, 400, "max_tokens_over_class_limit",
+                       f"max_tokens {req.max_tokens} exceeds the {req.cls} class limit of {pol.max_tokens}")
+    position = ahead_of(load, req.cls)
+    if position == 0 and has_free_slot(cfg, load, req.cls):
+        return Verdict("admit", prefill)
+    if load.queued.get(req.cls, 0) >= pol.queue_limit:
+        return Verdict("reject", math.inf, 429, "queue_full",
+                       f"the {req.cls} queue is full ({pol.queue_limit} waiting)",
+                       max(1, math.ceil(load.service_time_s)))
+    # Slots free up at about usable / service_time per second; this request waits for position + 1 of them.
+    wait = (position + 1) * load.service_time_s / cfg.usable_slots(req.cls)
+    predicted = wait + prefill
+    if predicted > pol.ttft_target_s:
+        return Verdict("reject", predicted, 429, "ttft_target_unreachable",
+                       f"predicted time to first token {predicted:.2f}s exceeds the {req.cls} target "
+                       f"{pol.ttft_target_s:g}s ({position} queued ahead)",
+                       max(1, math.ceil(predicted - pol.ttft_target_s)))
+    return Verdict("queue", predicted)
+
+
+class AdmissionRejected(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.message)
+        self.verdict = verdict
+
+
+@dataclass
+class Ticket:
+    cls: str
+    admitted_at: float
+    released: bool = field(default=False)
+
+
+class AdmissionGate:
+    def __init__(self, cfg: AdmissionConfig, *, service_time_s: float = 2.0, prefill_tokens_per_s: float = 2000.0,
+                 clock: Callable[[], float] = time.monotonic, alpha: float = 0.2) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.alpha = alpha
+        self.service_time_s = service_time_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.kv_usage = 0.0
+        self.in_flight: dict[str, int] = {c: 0 for c in cfg.classes}
+        self._waiters: dict[str, deque[asyncio.Future[Ticket]]] = {c: deque() for c in cfg.classes}
+
+    def load(self) -> Load:
+        return Load(dict(self.in_flight), {c: len(q) for c, q in self._waiters.items()}, self.service_time_s,
+                    self.prefill_tokens_per_s, self.kv_usage)
+
+    async def acquire(self, req: Request) -> Ticket:
+        verdict = decide(self.cfg, self.load(), req)
+        if verdict.action == "reject":
+            raise AdmissionRejected(verdict)
+        if verdict.action == "admit":
+            return self._take(req.cls)
+        fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiters[req.cls].append(fut)
+        budget = self.cfg.classes[req.cls].ttft_target_s - req.prompt_tokens / self.prefill_tokens_per_s
+        try:
+            # shield: a timeout or a cancelled caller must not cancel a slot handed over at the same moment
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=max(budget, 0.0))
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return fut.result()  # a slot arrived at the deadline: keep it
+            self._forget(req.cls, fut)
+            raise AdmissionRejected(Verdict("reject", math.inf, 429, "ttft_target_missed_in_queue",
+                                            f"no slot freed within the {req.cls} TTFT target", 1)) from None
+        except asyncio.CancelledError:
+            # The client went away while queued: give back a slot it was handed, or leave the queue.
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())
+            else:
+                self._forget(req.cls, fut)
+            raise
+
+    def _forget(self, cls: str, fut: asyncio.Future[Ticket]) -> None:
+        if fut in self._waiters[cls]:
+            self._waiters[cls].remove(fut)
+        if not fut.done():
+            fut.cancel()
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        self.in_flight[ticket.cls] -= 1
+        held = self.clock() - ticket.admitted_at
+        self.service_time_s += self.alpha * (held - self.service_time_s)
+        self._dispatch()
+
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s += self.alpha * (prompt_tokens / seconds - self.prefill_tokens_per_s)
+
+    def observe_kv_usage(self, usage: float) -> None:
+        self.kv_usage = usage
+        self._dispatch()
+
+    def _take(self, cls: str) -> Ticket:
+        self.in_flight[cls] += 1
+        return Ticket(cls, self.clock())
+
+    def _dispatch(self) -> None:
+        for cls in CLASSES:
+            queue = self._waiters.get(cls)
+            while queue and has_free_slot(self.cfg, self.load(), cls):
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(self._take(cls))

@@ -1,0 +1,148 @@
+"""Admission control: the pure decision and the gate's ordering, reservation, deadlines and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.admission import (
+    AdmissionConfig,
+    AdmissionGate,
+    AdmissionRejected,
+    ClassPolicy,
+    Load,
+    Request,
+    decide,
+    has_free_slot,
+)
+
+CFG = AdmissionConfig(
+    capacity=10,
+    classes={
+        "gold": ClassPolicy(ttft_target_s=2.0, max_tokens=2048, queue_limit=50, reserved_share=0.3),
+        "silver": ClassPolicy(ttft_target_s=4.0, max_tokens=1024, queue_limit=20),
+        "bronze": ClassPolicy(ttft_target_s=8.0, max_tokens=256, queue_limit=5),
+    },
+)
+
+
+def load(in_flight=None, queued=None, service=2.0, prefill=1000.0, kv=0.0) -> Load:
+    return Load(in_flight or {}, queued or {}, service, prefill, kv)
+
+
+def test_reserved_share_keeps_slots_for_gold():
+    assert CFG.reserved_slots("gold") == 3 and CFG.shared_slots == 7
+    full_of_bronze = load({"bronze": 7})
+    assert not has_free_slot(CFG, full_of_bronze, "bronze") and not has_free_slot(CFG, full_of_bronze, "silver")
+    assert has_free_slot(CFG, full_of_bronze, "gold")
+    assert not has_free_slot(CFG, load({"bronze": 7, "gold": 3}), "gold")
+    assert not has_free_slot(CFG, load(kv=0.97), "gold")  # KV nearly full: vLLM would preempt
+
+
+def test_admit_when_a_slot_is_free_and_nobody_waits():
+    v = decide(CFG, load({"silver": 2}), Request("silver", prompt_tokens=500))
+    assert v.action == "admit" and v.predicted_ttft_s == 0.5  # 500 tokens at 1000 tokens/s
+
+
+def test_over_the_class_token_limit_is_400():
+    v = decide(CFG, load(), Request("bronze", 10, max_tokens=300))
+    assert (v.action, v.status, v.code) == ("reject", 400, "max_tokens_over_class_limit")
+
+
+def test_queue_when_the_target_can_still_be_met():
+    # bronze: usable slots 7, service 2 s; 2 ahead (gold 1, silver 1... bronze waits behind all) -> (2+1)*2/7
+    v = decide(CFG, load({"bronze": 7}, {"gold": 1, "silver": 1}), Request("bronze", 1000))
+    assert v.action == "queue" and v.predicted_ttft_s == pytest.approx(3 * 2.0 / 7 + 1.0)
+
+
+def test_refuse_at_once_when_the_target_cannot_be_met():
+    v = decide(CFG, load({"bronze": 7}, {"silver": 20}, service=3.0), Request("bronze", 100))
+    predicted = 21 * 3.0 / 7 + 0.1
+    assert (v.action, v.status, v.code) == ("reject", 429, "ttft_target_unreachable")
+    assert v.predicted_ttft_s == pytest.approx(predicted) and v.retry_after_s == 2  # ceil(9.1 - 8)
+    assert "exceeds the bronze target 8s" in v.message
+
+
+def test_full_queue_is_429():
+    v = decide(CFG, load({"bronze": 7}, {"bronze": 5}), Request("bronze", 10))
+    assert (v.status, v.code, v.retry_after_s) == (429, "queue_full", 2)
+
+
+def test_gold_is_not_queued_behind_lower_classes():
+    v = decide(CFG, load({"bronze": 7}, {"silver": 5, "bronze": 5}), Request("gold", 10))
+    assert v.action == "admit"
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="unknown classes"):
+        AdmissionConfig(4, {"platinum": ClassPolicy(1, 1, 1)})
+    with pytest.raises(ValueError, match="more than the capacity"):
+        AdmissionConfig(4, {"gold": ClassPolicy(1, 1, 1, 0.8), "silver": ClassPolicy(1, 1, 1, 0.5)})
+
+
+# -- the gate ----------------------------------------------------------------------------------------
+
+ONE_SLOT = AdmissionConfig(capacity=1, classes={
+    "gold": ClassPolicy(5.0, 100, 10), "silver": ClassPolicy(5.0, 100, 10), "bronze": ClassPolicy(5.0, 100, 10)})
+
+
+def test_freed_slots_go_to_gold_then_silver_then_bronze():
+    async def scenario() -> list[str]:
+        gate = AdmissionGate(ONE_SLOT, service_time_s=0.1, prefill_tokens_per_s=1e6)
+        first = await gate.acquire(Request("bronze", 1))
+        order: list[str] = []
+
+        async def wait(cls: str) -> None:
+            t = await gate.acquire(Request(cls, 1))
+            order.append(cls)
+            gate.release(t)
+
+        tasks = [asyncio.create_task(wait(c)) for c in ("bronze", "silver", "gold")]
+        await asyncio.sleep(0.01)
+        assert gate.load().queued == {"gold": 1, "silver": 1, "bronze": 1}
+        gate.release(first)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["gold", "silver", "bronze"]
+
+
+def test_a_queued_request_that_misses_its_target_is_refused_not_left_waiting():
+    cfg = AdmissionConfig(capacity=1, classes={"silver": ClassPolicy(0.2, 100, 10)})
+
+    async def scenario() -> tuple[AdmissionRejected, dict]:
+        gate = AdmissionGate(cfg, service_time_s=0.05, prefill_tokens_per_s=1e6)
+        await gate.acquire(Request("silver", 1))  # never released
+        with pytest.raises(AdmissionRejected) as exc:
+            await gate.acquire(Request("silver", 1))
+        return exc.value, gate.load().queued
+
+    err, queued = asyncio.run(scenario())
+    assert err.verdict.code == "ttft_target_missed_in_queue" and err.verdict.status == 429
+    assert queued == {"silver": 0}
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place():
+    async def scenario() -> dict:
+        gate = AdmissionGate(ONE_SLOT, service_time_s=0.1, prefill_tokens_per_s=1e6)
+        held = await gate.acquire(Request("gold", 1))
+        waiting = asyncio.create_task(gate.acquire(Request("silver", 1)))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.release(held)
+        return {"queued": gate.load().queued["silver"], "in_flight": sum(gate.in_flight.values())}
+
+    assert asyncio.run(scenario()) == {"queued": 0, "in_flight": 0}
+
+
+def test_service_time_average_follows_releases():
+    now = [0.0]
+    gate = AdmissionGate(ONE_SLOT, service_time_s=1.0, clock=lambda: now[0], alpha=0.5)
+    t = asyncio.run(gate.acquire(Request("gold", 1)))
+    now[0] = 3.0
+    gate.release(t)
+    gate.release(t)  # twice is harmless
+    assert gate.service_time_s == 2.0 and gate.in_flight["gold"] == 0
