@@ -240,7 +240,10 @@ class Daemon:
             self.cfg = self.cfg.model_copy(update={"state": new.state})
             log.info("configuration reloaded from %s", self.cfg.source)
         status = f"serving: {self.cfg.served_name} at {self.api_url}" if self.supervisor.ready else "starting"
-        self.notifier.ready(status) if self._ready_sent else self.notifier.status(status)
+        if self._ready_sent:
+            self.notifier.ready(status)
+        else:
+            self.notifier.status(status)
 
 
 def serve(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None) -> int:

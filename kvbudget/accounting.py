@@ -62,8 +62,7 @@ class LayerSpec:
     """One layer's cache on one rank, like vLLM's FullAttentionSpec / SlidingWindowSpec / MambaSpec."""
 
     kind: Literal["full", "sliding", "mla", "linear"]
-    page_bytes: int  # after padding
-    real_page_bytes: int  # before padding
+    page_bytes: int  # after padding (a linear-attention state is padded to the attention page)
     block_size: int
     sliding_window: int | None = None
 
@@ -181,14 +180,14 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
     layer_specs: list[LayerSpec] = []
     for kind in shape.layer_kinds:
         if kind == "linear":
-            layer_specs.append(LayerSpec("linear", page, mamba_real or 0, block))
+            layer_specs.append(LayerSpec("linear", page, block))
         elif kind == "sliding":
-            layer_specs.append(LayerSpec("sliding", page, page, block, shape.sliding_window))
+            layer_specs.append(LayerSpec("sliding", page, block, shape.sliding_window))
         else:
-            layer_specs.append(LayerSpec(kind, page, page, block))
+            layer_specs.append(LayerSpec(kind, page, block))
     # EAGLE/MTP draft attention layers join the same pool as full-attention layers.
     draft_kind = "mla" if shape.mla_latent_dim else "full"
-    layer_specs += [LayerSpec(draft_kind, page, page, block)] * e.draft_layers
+    layer_specs += [LayerSpec(draft_kind, page, block)] * e.draft_layers
 
     # get_kv_cache_groups: one group when every layer needs the same slots, else
     # _get_kv_cache_groups_uniform_page_size (bucket by type, equal-size groups, padding).

@@ -19,6 +19,7 @@ from kvbudget.accounting import (
     capacity,
     cdiv,
     layout,
+    pool_for_sessions,
 )
 from kvbudget.model import ModelShape
 from kvbudget.profiles import PROFILES, GpuProfile
@@ -382,10 +383,8 @@ def _remedies(model: ModelShape, gpu: GpuProfile, targets: Targets, platform: Pl
     ctx = _longest_context_for(model, eng, pool, sessions)
     if ctx:
         out.append(f"shorter context: {sessions} sessions fit at {ctx:,} tokens")
-    need_pool = lay.blocks_per_request(eng) * sessions * lay.bytes_per_block
-    extra = need_pool - pool
-    bigger = [p.name for p in sorted(PROFILES, key=lambda p: p.memory_bytes)
-              if p.memory_bytes - gpu.memory_bytes > extra / platform.gpu_memory_utilization]
+    extra = pool_for_sessions(lay, eng, sessions) - pool  # > 0: only called for a shortfall
+    bigger = _bigger_cards(lambda p: p.memory_bytes - gpu.memory_bytes > extra / platform.gpu_memory_utilization, gpu)
     if bigger:
         out.append(f"a bigger card: {bigger[0]} (needs {extra / 1e9:.1f} GB more KV pool)")
     return tuple(out)

@@ -137,7 +137,6 @@ class EngineSupervisor:
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._failures: deque[float] = deque()
-        self._log_line_hooks: list[Callable[[str], None]] = []
 
     # -- public surface -------------------------------------------------------------------
 
@@ -151,10 +150,6 @@ class EngineSupervisor:
 
     def add_listener(self, fn: StateListener) -> None:
         self._listeners.append(fn)
-
-    def add_log_hook(self, fn: Callable[[str], None]) -> None:
-        """Called with every engine log line (for parsers of vLLM's startup figures)."""
-        self._log_line_hooks.append(fn)
 
     @property
     def key_file(self) -> Path:
@@ -317,11 +312,6 @@ class EngineSupervisor:
             if m:
                 self._engine_pgid = int(m.group(1))
             engine_log.info("%s", line)
-            for hook in self._log_line_hooks:
-                try:
-                    hook(line)
-                except Exception:
-                    log.exception("engine log hook failed")
 
     async def _terminate(self) -> None:
         """SIGTERM the guard (it forwards to the engine's group, then SIGKILLs after the grace period)."""
