@@ -8,7 +8,8 @@ into tail latency (section 7.4 of the seed; SLO-aware request management in 004)
 state (slots in flight per class, the queues, moving averages of service time and prefill speed) and
 hands freed slots to gold before silver before bronze, first come first served within a class.
 
-Not wired into the API yet: that lands with the overload test and benchmark of the same issue.
+The gateway (`appliance.api.proxy`) takes a ticket before it sends a request to the engine and gives it
+back when the answer (or stream) ends; the daemon feeds the engine's KV usage in from its metrics.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 CLASSES = ("gold", "silver", "bronze")  # highest priority first
+MIN_PREFILL_SAMPLE = 256  # prompt tokens
 
 
 @dataclass(frozen=True)
 class ClassPolicy:
     ttft_target_s: float
-    max_tokens: int
+    max_tokens: int | None
     queue_limit: int
     reserved_share: float = 0.0  # of capacity, usable by this class only
 
@@ -56,6 +58,16 @@ class AdmissionConfig:
 
     def usable_slots(self, cls: str) -> int:
         return self.reserved_slots(cls) + self.shared_slots
+
+    @classmethod
+    def from_section(cls, section: Any, capacity: int) -> "AdmissionConfig":
+        """From the configuration's [admission] section; capacity from it or else the plan."""
+        return cls(
+            capacity=section.capacity or capacity,
+            classes={name: ClassPolicy(c.ttft_target_s, c.max_tokens, c.queue_limit, c.reserved_share)
+                     for name, c in section.classes.items()},
+            kv_high_water=section.kv_high_water,
+        )
 
 
 @dataclass(frozen=True)
@@ -104,7 +116,7 @@ def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
     if pol is None:
         return Verdict("reject", 0.0, 400, "unknown_priority_class", f"no admission policy for class {req.cls!r}")
     prefill = req.prompt_tokens / load.prefill_tokens_per_s
-    if req.max_tokens is not None and req.max_tokens > pol.max_tokens:
+    if req.max_tokens is not None and pol.max_tokens is not None and req.max_tokens > pol.max_tokens:
         return Verdict("reject", prefill, 400, "max_tokens_over_class_limit",
                        f"max_tokens {req.max_tokens} exceeds the {req.cls} class limit of {pol.max_tokens}")
     position = ahead_of(load, req.cls)
@@ -149,6 +161,7 @@ class AdmissionGate:
         self.kv_usage = 0.0
         self.in_flight: dict[str, int] = {c: 0 for c in cfg.classes}
         self._waiters: dict[str, deque[asyncio.Future[Ticket]]] = {c: deque() for c in cfg.classes}
+        self.on_decision: Callable[[str, str, str], None] = lambda cls, decision, code: None
 
     def load(self) -> Load:
         return Load(dict(self.in_flight), {c: len(q) for c, q in self._waiters.items()}, self.service_time_s,
@@ -156,6 +169,7 @@ class AdmissionGate:
 
     async def acquire(self, req: Request) -> Ticket:
         verdict = decide(self.cfg, self.load(), req)
+        self.on_decision(req.cls, verdict.action, verdict.code or "")
         if verdict.action == "reject":
             raise AdmissionRejected(verdict)
         if verdict.action == "admit":
@@ -170,6 +184,7 @@ class AdmissionGate:
             if fut.done() and not fut.cancelled():
                 return fut.result()  # a slot arrived at the deadline: keep it
             self._forget(req.cls, fut)
+            self.on_decision(req.cls, "reject", "ttft_target_missed_in_queue")
             raise AdmissionRejected(Verdict("reject", math.inf, 429, "ttft_target_missed_in_queue",
                                             f"no slot freed within the {req.cls} TTFT target", 1)) from None
         except asyncio.CancelledError:
@@ -196,7 +211,9 @@ class AdmissionGate:
         self._dispatch()
 
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        if prompt_tokens > 0 and seconds > 0:
+        # Short prompts measure the fixed cost of a step, not prefill speed: they would make every
+        # long prompt look hopeless.
+        if prompt_tokens >= MIN_PREFILL_SAMPLE and seconds > 0:
             self.prefill_tokens_per_s += self.alpha * (prompt_tokens / seconds - self.prefill_tokens_per_s)
 
     def observe_kv_usage(self, usage: float) -> None:

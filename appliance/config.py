@@ -147,6 +147,54 @@ class AuthSection(_Section):
     )
 
 
+class ClassSection(_Section):
+    """One priority class: its TTFT target, its token limit, its queue and its reserved share."""
+
+    ttft_target_s: Seconds
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Unset: no class limit.")
+    queue_limit: Annotated[int, Field(ge=0)] = 64
+    reserved_share: Annotated[float, Field(ge=0, lt=1)] = 0.0
+
+
+def _default_classes() -> dict[str, ClassSection]:
+    return {
+        "gold": ClassSection(ttft_target_s=2.0, queue_limit=64, reserved_share=0.25),
+        "silver": ClassSection(ttft_target_s=5.0, queue_limit=64),
+        "bronze": ClassSection(ttft_target_s=15.0, queue_limit=32),
+    }
+
+
+class AdmissionSection(_Section):
+    """Admission control by priority class (the class comes from the API key)."""
+
+    enabled: bool = True
+    capacity: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Requests the engine runs at once; unset: the plan's max_num_seqs.")
+    anonymous_class: Literal["gold", "silver", "bronze"] = Field(
+        default="silver", description="Class of requests without a key (only possible on loopback).")
+    kv_high_water: Annotated[float, Field(gt=0, le=1)] = 0.95
+    classes: dict[Literal["gold", "silver", "bronze"], ClassSection] = Field(default_factory=_default_classes)
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _over_defaults(cls, v: Any) -> Any:
+        # A site that tunes one class keeps the other two, and a class table may set only some keys.
+        if not isinstance(v, dict):
+            return v
+        merged: dict[str, Any] = {k: c.model_dump() for k, c in _default_classes().items()}
+        for name, given in v.items():
+            merged[name] = {**merged.get(name, {}), **given} if isinstance(given, dict) else given
+        return merged
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> "AdmissionSection":
+        if sum(c.reserved_share for c in self.classes.values()) >= 1:
+            raise ValueError("the classes' reserved_share values must add up to less than 1")
+        if self.anonymous_class not in self.classes:
+            raise ValueError(f"anonymous_class {self.anonymous_class!r} has no entry under admission.classes")
+        return self
+
+
 class Config(_Section):
     model: ModelSection
     server: ServerSection = Field(default_factory=ServerSection)
@@ -156,6 +204,7 @@ class Config(_Section):
     regional: RegionalSection = Field(default_factory=RegionalSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     auth: AuthSection = Field(default_factory=AuthSection)
+    admission: AdmissionSection = Field(default_factory=AdmissionSection)
 
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 

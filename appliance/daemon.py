@@ -20,6 +20,7 @@ import signal
 import uvicorn
 
 from appliance import __version__
+from appliance.admission import AdmissionConfig, AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
@@ -27,6 +28,7 @@ from appliance.config import Config, ConfigError
 from appliance.config import load as load_config
 from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
+from appliance.engine_watch import EngineWatch
 from appliance.keys import KeyVerifier
 from appliance.metrics import Metrics
 from appliance.model_pin import ModelCheck
@@ -65,6 +67,7 @@ class Daemon:
         if model_check is not None:
             self.metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)
         self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
+        self.admission = self._admission_gate(cfg, site_plan)
         self.proxy = EngineProxy(
             self.supervisor,
             GatewaySettings(
@@ -72,10 +75,15 @@ class Daemon:
                 max_body_bytes=int(cfg.server.max_body_bytes),
                 retry_after_s=cfg.server.retry_after_s,
                 upstream_timeout_s=cfg.server.upstream_timeout_s,
+                default_class=cfg.admission.anonymous_class,
             ),
             self.request_log,
             self.metrics,
+            self.admission,
         )
+        self.engine_watch = EngineWatch(self.proxy.client, lambda: self.supervisor.base_url)
+        if self.admission is not None:
+            self.engine_watch.add_listener(lambda s: self.admission.observe_kv_usage(s.kv_usage))
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
         self.verifier = KeyVerifier(cfg.database_path)
         self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
@@ -83,6 +91,13 @@ class Daemon:
         self.notifier = Notifier()
         self._server: uvicorn.Server | None = None
         self._ready_sent = False
+
+    def _admission_gate(self, cfg: Config, site_plan: SitePlan) -> AdmissionGate | None:
+        if not cfg.admission.enabled:
+            return None
+        gate = AdmissionGate(AdmissionConfig.from_section(cfg.admission, site_plan.plan.max_num_seqs))
+        gate.on_decision = self.metrics.observe_decision
+        return gate
 
     def status(self) -> dict:
         """GET /v1/appliance/status: what a fleet operator compares across sites."""
@@ -134,7 +149,8 @@ class Daemon:
         self.supervisor.add_listener(self._on_engine_state)
         self.notifier.status("starting: loading model")
         await self.supervisor.start()
-        background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog())]
+        background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
+                      asyncio.create_task(self.engine_watch.run())]
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
                  self.api_url, "required" if self.keys_required else "not required (loopback)")
         serving = asyncio.create_task(server.serve(), name="api")

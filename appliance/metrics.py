@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.admission import Load
 from appliance.engine.supervisor import EngineState, EngineStatus
 from appliance.store import RequestRecord
 
@@ -55,6 +56,12 @@ class Metrics:
                                             registry=r)
         self.model_info = Gauge("appliance_model_info", "The served model's artifact digest (1 = this one)",
                                 ["model", "digest", "matches_pin"], registry=r)
+        self.admission = Counter("appliance_admission_decisions", "Admission decisions by class and reason",
+                                 ["class", "decision", "code"], registry=r)
+        self.queue_depth = Gauge("appliance_admission_queue_depth", "Requests waiting for an engine slot",
+                                 ["class"], registry=r)
+        self.in_flight = Gauge("appliance_admission_in_flight", "Requests holding an engine slot", ["class"],
+                               registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0
@@ -69,6 +76,15 @@ class Metrics:
             if rec.completion_tokens and rec.completion_tokens > 1 and rec.total_ms is not None:
                 per_token = (rec.total_ms - rec.ttft_ms) / 1000 / (rec.completion_tokens - 1)
                 self.tpot.labels(rec.route, cls).observe(per_token)
+
+    def observe_decision(self, cls: str, decision: str, code: str) -> None:
+        self.admission.labels(cls, decision, code).inc()
+
+    def observe_admission(self, load: Load) -> None:
+        for cls, n in load.queued.items():
+            self.queue_depth.labels(cls).set(n)
+        for cls, n in load.in_flight.items():
+            self.in_flight.labels(cls).set(n)
 
     def observe_engine(self, st: EngineStatus) -> None:
         for s in EngineState:

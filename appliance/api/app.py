@@ -52,6 +52,8 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         if proxy.metrics is None:
             raise ApiError(404, "metrics are not enabled in this daemon", code="not_found")
         proxy.metrics.observe_engine(supervisor.status)
+        if proxy.admission is not None:
+            proxy.metrics.observe_admission(proxy.admission.load())
         await proxy.metrics.scrape_engine(proxy.client, supervisor.base_url)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
+from appliance.admission import Request as AdmissionRequest
 from appliance.api.errors import ApiError, error_body
 from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
@@ -44,6 +46,7 @@ class GatewaySettings:
     max_body_bytes: int
     retry_after_s: int
     upstream_timeout_s: float
+    default_class: str = "silver"  # the priority class of a request without a key
 
 
 def new_request_id() -> str:
@@ -52,8 +55,9 @@ def new_request_id() -> str:
 
 class EngineProxy:
     def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, admission: AdmissionGate | None = None) -> None:
         self.supervisor = supervisor
+        self.admission = admission
         self.settings = settings
         self.request_log = request_log
         self.metrics = metrics
@@ -137,7 +141,8 @@ class EngineProxy:
         t0 = time.perf_counter()
         key = request.scope.get("state", {}).get("api_key")
         key_id = key.id if key else None
-        extra = {"class": key.priority_class} if key else {}
+        cls = key.priority_class if key else self.settings.default_class
+        extra = {"class": cls}
         body: Any = None
         try:
             body = await self.read_json(request)
@@ -162,14 +167,53 @@ class EngineProxy:
             id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream, key_id=key_id, extra=extra,
             prompt=_prompt_text(body) if self.request_log and self.request_log.keep_text else None,
         )
+        try:
+            ticket = await self._admit(request, AdmissionRequest(cls, _estimate_tokens(body), _max_tokens(parsed)))
+        except ApiError as e:
+            rec.status, rec.error_code = e.status, e.code
+            self._record(rec, t0)
+            e.headers.setdefault("X-Request-Id", rid)
+            raise
+        except _ClientGone:
+            return self._client_gone(rec, t0)
+        admitted = time.perf_counter()
+        try:
+            return await self._forward(request, base, body, rec, t0, ticket, stream, client_wants_usage, admitted)
+        except BaseException:
+            self._release(ticket)
+            raise
+
+    async def _admit(self, request: Request, req: AdmissionRequest) -> Ticket | None:
+        if self.admission is None:
+            return None
+        try:
+            return await _race_disconnect(request, self.admission.acquire(req), discard=self._release_async)
+        except AdmissionRejected as e:
+            v = e.verdict
+            headers = {"Retry-After": str(v.retry_after_s)} if v.retry_after_s else {}
+            raise ApiError(v.status, v.message, code=v.code, param="max_tokens" if v.status == 400 else None,
+                           headers=headers) from None
+
+    def _release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self.admission is not None:
+            self.admission.release(ticket)
+
+    async def _release_async(self, ticket: Ticket) -> None:
+        self._release(ticket)
+
+    async def _forward(self, request: Request, base: str, body: dict, rec: RequestRecord, t0: float,
+                       ticket: Ticket | None, stream: bool, client_wants_usage: bool, admitted: float) -> Response:
+        rid = rec.id
         upstream_req = self.client.build_request(
-            "POST", f"{base}{route}", content=json.dumps(body).encode(), headers=self._auth(rid)
+            "POST", f"{base}{rec.route}", content=json.dumps(body).encode(), headers=self._auth(rid)
         )
         try:
             upstream = await self._send_watching_disconnect(request, upstream_req)
         except _ClientGone:
+            self._release(ticket)
             return self._client_gone(rec, t0)
         except httpx.HTTPError as e:
+            self._release(ticket)
             rec.status, rec.error_code = 503, "engine_unreachable"
             self._record(rec, t0)
             raise self._unreachable(e) from None
@@ -184,11 +228,26 @@ class EngineProxy:
                 content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
                                                 "engine_error")).encode()
                 return self._finish_plain(rec, t0, 502, content, headers)
+            finally:
+                self._release(ticket)
             return self._finish_plain(rec, t0, upstream.status_code, content, headers)
 
         rec.status = 200
-        return StreamingResponse(
-            self._relay(upstream, rec, t0, strip_usage=not client_wants_usage),
+        prompt_estimate = _estimate_tokens(body)
+
+        def first_token() -> None:
+            if self.admission is not None:
+                self.admission.observe_prefill(prompt_estimate, time.perf_counter() - admitted)
+
+        async def on_close() -> None:
+            # Runs however the response ends, even when the client left before the relay started
+            # (then the generator never ran and only this closes the upstream and frees the slot).
+            self._release(ticket)
+            await upstream.aclose()
+
+        return _ClosingStream(
+            self._relay(upstream, rec, t0, strip_usage=not client_wants_usage, on_first=first_token),
+            on_close=on_close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(self._record_after_response, rec, t0),
@@ -225,13 +284,15 @@ class EngineProxy:
         return Response(content, status_code=status, media_type=media, headers=headers,
                         background=BackgroundTask(self._record_after_response, rec, t0))
 
-    async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool,
+                     on_first: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
         buf = b""
         texts: list[str] | None = [] if rec.prompt is not None else None
         try:
             async for chunk in upstream.aiter_raw():
                 if rec.ttft_ms is None:
                     rec.ttft_ms = (time.perf_counter() - t0) * 1000
+                    on_first()
                 buf += chunk
                 cut = buf.rfind(b"\n\n")
                 if cut < 0:
@@ -303,8 +364,28 @@ class _ClientGone(Exception):
     pass
 
 
-async def _race_disconnect(request: Request, work: Any) -> Any:
-    """Run `work` unless the client disconnects first; then cancel it (closing the upstream)."""
+class _ClosingStream(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends: finished, failed or cancelled."""
+
+    def __init__(self, content: Any, *, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _close_response(res: httpx.Response) -> None:
+    await res.aclose()
+
+
+async def _race_disconnect(request: Request, work: Any,
+                           discard: Callable[[Any], Awaitable[None]] = _close_response) -> Any:
+    """Run `work` unless the client disconnects first; then cancel it, and `discard` a result that
+    arrived anyway (an upstream response to close, an admission slot to give back)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -312,10 +393,10 @@ async def _race_disconnect(request: Request, work: Any) -> Any:
         if task in done:
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, AdmissionRejected):
             res = await task
-            if isinstance(res, httpx.Response):
-                await res.aclose()
+            if res is not None:
+                await discard(res)
         raise _ClientGone()
     finally:
         watcher.cancel()
@@ -327,6 +408,16 @@ async def _wait_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+def _estimate_tokens(body: dict) -> int:
+    """About four bytes of text per token: admission only needs the order of magnitude, and
+    tokenizing at the gateway would cost a round trip to the engine per request."""
+    return max(1, len(_prompt_text(body).encode()) // 4)
+
+
+def _max_tokens(parsed: Any) -> int | None:
+    return getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
 
 
 def _take_usage(rec: RequestRecord, usage: Any) -> None:

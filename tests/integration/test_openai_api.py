@@ -265,7 +265,7 @@ def test_request_log_has_one_row_per_request_without_text(appliance: RunningAppl
 def test_metrics_have_gateway_latencies_and_engine_figures(oai: openai.OpenAI, appliance: RunningAppliance):
     list(oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=4, stream=True))
     text = httpx.get(f"{appliance.url}/metrics").text
-    ttft = re.search(r'^appliance_time_to_first_token_seconds_count\{class="none",route="/v1/chat/completions"\} (\S+)$',
+    ttft = re.search(r'^appliance_time_to_first_token_seconds_count\{class="silver",route="/v1/chat/completions"\} (\S+)$',
                      text, re.M)
     assert ttft and float(ttft.group(1)) >= 1
     assert re.search(r'^appliance_engine_state\{state="ready"\} 1\.0$', text, re.M)

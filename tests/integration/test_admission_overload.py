@@ -1,0 +1,157 @@
+"""Admission control against the real engine: gold first, bronze refused early, the class token limit.
+
+A dedicated appliance with room for two requests at once (gold holds one of them in reserve), so
+overload takes a handful of requests rather than hundreds.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import keys
+from tests.support import RunningAppliance, start_appliance, wait_for
+
+pytestmark = pytest.mark.engine
+
+ADMISSION = """
+[admission]
+anonymous_class = "silver"
+
+[admission.classes.gold]
+ttft_target_s = 120
+reserved_share = 0.5
+
+[admission.classes.silver]
+ttft_target_s = 120
+
+[admission.classes.bronze]
+ttft_target_s = 1
+max_tokens = 64
+"""
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
+    d: Path = tmp_path_factory.mktemp("admission")
+    db = d / "state" / "appliance.db"
+    db.parent.mkdir(parents=True)
+    secrets = {cls: keys.create(db, f"{cls}-client", priority_class=cls)[1] for cls in ("gold", "silver", "bronze")}
+    app = start_appliance(d, max_num_seqs=2, extra=ADMISSION)
+    try:
+        app.wait_ready()
+        yield app, secrets
+    finally:
+        app.stop()
+
+
+def _metric(app: RunningAppliance, pattern: str) -> float:
+    text = httpx.get(f"{app.url}/metrics", timeout=5).text
+    m = re.search(pattern, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _stream(app: RunningAppliance, key: str, max_tokens: int) -> dict:
+    """One streamed completion; returns its status and when its first token arrived."""
+    body = {"model": app.served_name, "prompt": "Write about the sea.", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    out: dict = {"sent": time.monotonic()}
+    with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        out["status"] = r.status_code
+        out["retry_after"] = r.headers.get("retry-after")
+        if r.status_code != 200:
+            r.read()
+            out["error"] = r.json()["error"]
+            out["answered"] = time.monotonic()
+            return out
+        for line in r.iter_lines():
+            if line.startswith("data: {") and "first_token" not in out:
+                out["first_token"] = time.monotonic()
+        out["answered"] = time.monotonic()
+    return out
+
+
+def test_gold_first_bronze_refused_early_with_retry_after(small):
+    app, secret = small
+    pool = ThreadPoolExecutor(8)
+    queued = lambda cls: _metric(app, rf'^appliance_admission_queue_depth\{{class="{cls}"\}} (\S+)$')  # noqa: E731
+    in_flight = lambda cls: _metric(app, rf'^appliance_admission_in_flight\{{class="{cls}"\}} (\S+)$')  # noqa: E731
+
+    # Fill both slots with long answers: silver takes the shared slot, gold its reserved one.
+    long_silver = pool.submit(_stream, app, secret["silver"], 160)
+    wait_for(lambda: in_flight("silver") == 1, 30, what="silver to hold the shared slot")
+    long_gold = pool.submit(_stream, app, secret["gold"], 160)
+    wait_for(lambda: in_flight("gold") == 1, 30, what="gold to hold its reserved slot")
+
+    # The engine is full. Silver queues first, gold after it.
+    silver: Future = pool.submit(_stream, app, secret["silver"], 4)
+    wait_for(lambda: queued("silver") == 1, 30, what="silver to queue")
+    gold: Future = pool.submit(_stream, app, secret["gold"], 4)
+    wait_for(lambda: queued("gold") == 1, 30, what="gold to queue")
+
+    # Bronze cannot be served within its 1 s target: refused at once, not after waiting.
+    t = time.monotonic()
+    bronze = _stream(app, secret["bronze"], 8)
+    assert bronze["status"] == 429, bronze
+    assert bronze["error"]["code"] == "ttft_target_unreachable" and int(bronze["retry_after"]) >= 1
+    assert bronze["answered"] - t < 1.0
+    assert not long_silver.done() and not long_gold.done()  # it was refused while the engine was busy
+
+    s, g = silver.result(timeout=180), gold.result(timeout=180)
+    assert s["status"] == g["status"] == 200
+    assert g["first_token"] < s["first_token"], "the freed slot went to gold although silver queued first"
+    assert long_silver.result(timeout=180)["status"] == long_gold.result(timeout=180)["status"] == 200
+    pool.shutdown()
+
+    decisions = r'^appliance_admission_decisions_total\{{class="{}",code="{}",decision="{}"\}} (\S+)$'
+    assert _metric(app, decisions.format("bronze", "ttft_target_unreachable", "reject")) >= 1
+    assert _metric(app, decisions.format("gold", "", "queue")) >= 1
+    assert _metric(app, decisions.format("silver", "", "queue")) >= 1
+
+
+def test_max_tokens_over_the_class_limit_is_400(small):
+    app, secret = small
+    r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
+                   json={"model": app.served_name, "prompt": "hi", "max_tokens": 65})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "max_tokens_over_class_limit" and err["param"] == "max_tokens"
+    assert "bronze" in err["message"] and "64" in err["message"]
+    ok = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
+                    json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_a_client_leaving_the_queue_gives_its_place_up(small):
+    app, secret = small
+    queued = lambda: _metric(app, r'^appliance_admission_queue_depth\{class="silver"\} (\S+)$')  # noqa: E731
+    wait_for(lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$') == 0, 60,
+             what="an idle gate")
+    pool = ThreadPoolExecutor(2)
+    blocker = pool.submit(_stream, app, secret["silver"], 120)  # holds the only slot silver may use
+    wait_for(lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$') == 1, 30,
+             what="silver to hold the shared slot")
+    stop = threading.Event()
+
+    def waiter() -> None:
+        try:
+            httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['silver']}"},
+                       json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=3)
+        except httpx.ReadTimeout:
+            stop.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    wait_for(lambda: queued() == 1, 10, what="the second silver request to queue")
+    t.join()
+    assert stop.is_set()  # the client gave up while queued ...
+    wait_for(lambda: queued() == 0, 10, what="the abandoned request to leave the queue")  # ... and left it
+    assert blocker.result(timeout=180)["status"] == 200
+    pool.shutdown()
