@@ -369,6 +369,50 @@ def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str |
     sys.exit(0 if result.ok else 1)
 
 
+@main.command("doctor")
+@config_option
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--no-hash", is_flag=True, help="Skip hashing the model folder against its pin (large models).")
+@click.option("--no-live", is_flag=True, help="Do not ask the running daemon for its live findings.")
+@click.option("--key", envvar="APPLIANCE_API_KEY", default=None,
+              help="Admin API key for the live findings when keys are required [env: APPLIANCE_API_KEY].")
+def doctor_cmd(config_path: Path | None, as_json: bool, no_hash: bool, no_live: bool, key: str | None) -> None:
+    """Check driver and GPU, engine, model and pin, state directory and regional link; with a running
+    daemon also its engine and the troubleshooting recipes on live metrics. Exit 1 on any failure."""
+    import httpx
+
+    from appliance import doctor
+    from appliance import model_pin
+    from kvbudget.gpu import discover
+
+    cfg = _load(config_path)
+    model_check = None
+    if not no_hash and cfg.model.path.is_dir():
+        with model_pin.progress_bar(cfg.model.path, "hashing model") as bar:
+            model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+    findings = doctor.setup_checks(cfg, discover(), model_check)
+    if not no_live:
+        host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{cfg.server.port}/v1/appliance/doctor"
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            r = httpx.get(url, headers=headers, timeout=30)
+            if r.status_code == 200:
+                live = [doctor.Finding(**f) for f in r.json()["findings"]]
+                setup_names = {f.check for f in findings}
+                findings += [f for f in live if f.check not in setup_names]
+            else:
+                findings.append(doctor.Finding("daemon", "warn", f"the daemon at {url} answered {r.status_code}",
+                                               "pass an admin key with --key or APPLIANCE_API_KEY"))
+        except httpx.HTTPError:
+            findings.append(doctor.Finding("daemon", "skip", f"no daemon answers at {url}: live checks skipped"))
+    if as_json:
+        click.echo(json.dumps(doctor.as_dict(findings), indent=2))
+    else:
+        click.echo(doctor.as_text(findings))
+    sys.exit(1 if doctor.worst(findings) == "fail" else 0)
+
+
 @main.command("requests")
 @config_option
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10000))

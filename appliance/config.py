@@ -110,6 +110,8 @@ class TargetsSection(_Section):
     kv_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp4"] = "auto"
     ttft_p50_ms: Annotated[float, Field(gt=0)] | None = None
     tpot_ms: Annotated[float, Field(gt=0)] | None = None
+    speculative: Literal["auto", "off"] = Field(
+        default="auto", description="off: never speculate (the doctor suggests it when acceptance decays).")
 
 
 class RegionalSection(_Section):

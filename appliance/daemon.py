@@ -19,7 +19,7 @@ import signal
 
 import uvicorn
 
-from appliance import __version__
+from appliance import __version__, doctor
 from appliance.admission import AdmissionConfig, AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
@@ -87,7 +87,8 @@ class Daemon:
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)
         self.verifier = KeyVerifier(cfg.database_path)
         self.app = create_app(self.proxy, plan=lambda: plan_dict(self.site_plan.plan),
-                              verifier=self.verifier, keys_required=self.keys_required, status=self.status)
+                              verifier=self.verifier, keys_required=self.keys_required, status=self.status,
+                              doctor=self.doctor)
         self.notifier = Notifier()
         self._server: uvicorn.Server | None = None
         self._ready_sent = False
@@ -119,6 +120,17 @@ class Daemon:
                      "targets_met": p.targets_met},
             "devices": self.site_plan.discovery.as_dict(),
         }
+
+    async def doctor(self) -> dict:
+        """GET /v1/appliance/doctor: the setup checks (the model hashed at start, not again) and the
+        recipes over the last half hour of engine samples."""
+        setup = await asyncio.to_thread(doctor.setup_checks, self.cfg, self.site_plan.discovery, self.model_check)
+        st = self.supervisor.status
+        p = self.site_plan.plan
+        live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
+                *doctor.recipes(self.engine_watch.since(1800), capacity=p.max_num_seqs,
+                                spec_method=p.speculative.method, workload=self.cfg.targets.workload)]
+        return doctor.as_dict([*setup, *live])
 
     @property
     def api_url(self) -> str:

@@ -30,6 +30,7 @@ def targets_from_config(cfg: Config) -> Targets:
         kv_dtype=t.kv_dtype,
         ttft_p50_ms=t.ttft_p50_ms,
         tpot_ms=t.tpot_ms,
+        speculative=t.speculative,
     )
 
 

@@ -44,6 +44,7 @@ class Targets:
     max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on the CPU backend (passed explicitly)
     draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
     num_speculative_tokens: int | None = None
+    speculative: Literal["auto", "off"] = "auto"  # off: the operator (or the doctor's advice) turned it off
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, 
     """Table 4 of the speculative-decoding seed, with the engine hazards from ENGINE-NOTES.md."""
     k = targets.num_speculative_tokens
     gdn = model.is_hybrid_linear
+    if targets.speculative == "off":
+        return Speculative("none", 0, "turned off in the configuration (targets.speculative = \"off\")")
     if targets.workload == "tool-calling":
         return Speculative("none", 0, "heavy tool calling: constrained decoding collapses the acceptance rate")
     if model.mtp_layers:

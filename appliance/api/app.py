@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +20,8 @@ from appliance.keys import KeyVerifier
 
 def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None,
                verifier: KeyVerifier | None = None, keys_required: bool = False,
-               status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+               status: Callable[[], dict[str, Any]] | None = None,
+               doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> FastAPI:
     app = FastAPI(
         title="Edge LLM appliance",
         version=__version__,
@@ -63,6 +64,13 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         if status is None:
             raise ApiError(404, "no status in this daemon", code="not_found")
         return status()
+
+    @app.get("/v1/appliance/doctor")
+    async def appliance_doctor() -> dict[str, Any]:
+        """Setup checks and the troubleshooting recipes applied to the engine's live metrics."""
+        if doctor is None:
+            raise ApiError(404, "no doctor in this daemon", code="not_found")
+        return await doctor()
 
     @app.get("/v1/appliance/plan")
     async def appliance_plan() -> dict[str, Any]:

