@@ -118,27 +118,61 @@ class RegionalSection(_Section):
     """The regional OpenAI-compatible cluster reached over the backhaul (used by cascade)."""
 
     enabled: bool = False
-    base_url: str = ""
-    model: str = ""
-    token_file: Path | None = None
+    base_url: str = Field(default="", description="Like an OpenAI client's base URL, ending in /v1.")
+    model: str = Field(default="", description="The regional model escalations of the local model go to.")
+    models: list[str] = Field(default_factory=list,
+                              description="Models clients may name that only the regional cluster serves.")
+    token_file: Path | None = Field(default=None, description="Bearer token; the file must have mode 0600.")
     ca_bundle: Path | None = None
     client_cert: Path | None = None
     client_key: Path | None = None
     connect_timeout_s: Seconds = 3.0
     read_timeout_s: Seconds = 120.0
+    retries: Annotated[int, Field(ge=0, le=5)] = 1
+    breaker_failures: Annotated[int, Field(ge=1)] = 3
+    breaker_reset_s: Seconds = 10.0
+    breaker_max_reset_s: Seconds = 300.0
+    forward_concurrency: Annotated[int, Field(ge=1, le=64)] = 4
+    forward_poll_s: Seconds = 2.0
+    max_attempts: Annotated[int, Field(ge=1)] = 10
 
     @model_validator(mode="after")
     def _url_when_enabled(self) -> "RegionalSection":
-        if self.enabled and not self.base_url.startswith(("http://", "https://")):
-            raise ValueError("base_url must be an http:// or https:// URL when enabled = true")
+        if self.enabled:
+            if not self.base_url.startswith(("http://", "https://")):
+                raise ValueError("base_url must be an http:// or https:// URL when enabled = true")
+            if not self.model:
+                raise ValueError("model (the regional model escalations go to) is required when enabled = true")
+            if bool(self.client_key) and not self.client_cert:
+                raise ValueError("client_key needs client_cert")
         return self
 
 
+class ThresholdsSection(_Section):
+    """Escalate under `auto` when a signal is below its threshold (bench/cascade_eval.py chose the default)."""
+
+    quantile_logprob: float | None = -2.5
+    mean_logprob: float | None = None
+    min_logprob: float | None = None
+    neg_mean_entropy: float | None = None
+    quantile: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class TenantSection(_Section):
+    escalate: Literal["never", "auto", "always"] | None = None
+    mode: Literal["sync", "async"] | None = None
+    local_only: bool = Field(default=False, description="This tenant's data never leaves the site.")
+
+
 class PolicySection(_Section):
-    """Escalation policy defaults (used by cascade)."""
+    """Escalation policy (used by cascade): defaults, thresholds, tenants, and the outbox's bounds."""
 
     escalate: Literal["never", "auto", "always"] = "never"
     mode: Literal["sync", "async"] = "async"
+    thresholds: ThresholdsSection = Field(default_factory=ThresholdsSection)
+    tenants: dict[str, TenantSection] = Field(default_factory=dict)
+    outbox_max_pending: Annotated[int, Field(ge=1)] = 50_000
+    outbox_max_age_s: Seconds = 7 * 86400.0
 
 
 class AuthSection(_Section):
@@ -332,6 +366,13 @@ def check_runtime(cfg: Config) -> list[str]:
         problems.append(f"model.path {mp} has no config.json: not a Hugging Face model folder")
     elif not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
         problems.append(f"model.path {mp} has no weight files (*.safetensors or *.bin)")
+    if cfg.regional.enabled and cfg.regional.token_file is not None:
+        from cascade.regional import TokenFileError, read_token
+
+        try:
+            read_token(cfg.regional.token_file)
+        except TokenFileError as e:
+            problems.append(str(e))
     sd = cfg.state.directory
     probe = sd
     while not probe.exists() and probe != probe.parent:  # the daemon creates the missing part

@@ -29,6 +29,7 @@ from appliance.config import load as load_config
 from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
+from appliance.escalation import build_cascade
 from appliance.keys import KeyVerifier
 from appliance.metrics import Metrics
 from appliance.model_pin import ModelCheck
@@ -68,6 +69,7 @@ class Daemon:
             self.metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)
         self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
         self.admission = self._admission_gate(cfg, site_plan)
+        self.cascade = build_cascade(cfg, site_plan.plan.engine.max_model_len, self.metrics)
         self.proxy = EngineProxy(
             self.supervisor,
             GatewaySettings(
@@ -80,6 +82,7 @@ class Daemon:
             self.request_log,
             self.metrics,
             self.admission,
+            self.cascade,
         )
         self.engine_watch = EngineWatch(self.proxy.client, lambda: self.supervisor.base_url)
         if self.admission is not None:
@@ -119,6 +122,7 @@ class Daemon:
                      "kv_tokens": p.capacity.tokens_reported if p.capacity else None,
                      "targets_met": p.targets_met},
             "devices": self.site_plan.discovery.as_dict(),
+            "cascade": self.cascade.status() if self.cascade is not None else {"configured": False},
         }
 
     async def doctor(self) -> dict:
@@ -163,6 +167,8 @@ class Daemon:
         await self.supervisor.start()
         background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
                       asyncio.create_task(self.engine_watch.run())]
+        if self.cascade is not None and self.cascade.forwarder is not None:
+            background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
                  self.api_url, "required" if self.keys_required else "not required (loopback)")
         serving = asyncio.create_task(server.serve(), name="api")
@@ -186,6 +192,8 @@ class Daemon:
             log.info("stopping the engine")
             await self.supervisor.stop()
             await self.proxy.aclose()
+            if self.cascade is not None:
+                await self.cascade.aclose()
             self.request_log.close()
             log.info("stopped")
 

@@ -4,11 +4,12 @@ figures re-exported from its private port (which is not reachable from outside t
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.admission import Load
@@ -38,6 +39,38 @@ class _EngineFamilies:
         return list(self.families)
 
 
+class _CascadeFigures:
+    """Read from the cascade at scrape time: its counters live there, the outbox in SQLite."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterable[Metric]:
+        st = self.status()
+        req = CounterMetricFamily("appliance_cascade_requests", "Requests by cascade outcome: local, escalated "
+                                  "(answered regionally), queued, fallback (sync escalation answered locally), "
+                                  "failed, outbox_full", labels=["outcome"])
+        for outcome, n in sorted(st["requests"].items()):
+            req.add_metric([outcome], n)
+        yield req
+        box = st["outbox"]
+        depth = GaugeMetricFamily("appliance_outbox_escalations", "Escalations in the outbox by status",
+                                  labels=["status"])
+        for status, n in box["counts"].items():
+            depth.add_metric([status], n)
+        yield depth
+        yield GaugeMetricFamily("appliance_outbox_oldest_age_seconds", "Age of the oldest waiting escalation",
+                                value=box["oldest_age_s"])
+        link = st["link"]
+        yield GaugeMetricFamily("appliance_regional_link_up", "1 when the last call over the backhaul worked",
+                                value=1.0 if link.get("up") else 0.0)
+        breaker = GaugeMetricFamily("appliance_regional_breaker_state", "1 for the breaker's current state",
+                                    labels=["state"])
+        for state in ("closed", "open", "half_open"):
+            breaker.add_metric([state], 1.0 if link.get("breaker") == state else 0.0)
+        yield breaker
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -62,6 +95,8 @@ class Metrics:
                                  ["class"], registry=r)
         self.in_flight = Gauge("appliance_admission_in_flight", "Requests holding an engine slot", ["class"],
                                registry=r)
+        self.forwarded = Counter("appliance_outbox_sends", "Forwarder sends by result: delivered, retry, "
+                                 "link_down, rejected, gave_up", ["result"], registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0
@@ -76,6 +111,12 @@ class Metrics:
             if rec.completion_tokens and rec.completion_tokens > 1 and rec.total_ms is not None:
                 per_token = (rec.total_ms - rec.ttft_ms) / 1000 / (rec.completion_tokens - 1)
                 self.tpot.labels(rec.route, cls).observe(per_token)
+
+    def observe_forward(self, result: str) -> None:
+        self.forwarded.labels(result).inc()
+
+    def attach_cascade(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_CascadeFigures(status))
 
     def observe_decision(self, cls: str, decision: str, code: str) -> None:
         self.admission.labels(cls, decision, code).inc()

@@ -64,7 +64,8 @@ class PolicyConfig:
     thresholds: Thresholds = Thresholds()
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     local_model: str = ""
-    regional_models: frozenset[str] = frozenset()
+    regional_model: str = ""  # what escalations of the local model ask the regional cluster for
+    regional_models: frozenset[str] = frozenset()  # models clients may name that only the regional side serves
     local_context: int = 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from appliance.api.proxy import EngineProxy
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
 from appliance.keys import KeyVerifier
+from cascade.outbox import STATUSES
 
 
 def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None,
@@ -78,6 +80,38 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         if plan is None:
             raise ApiError(404, "no plan in this daemon", code="not_found")
         return plan()
+
+    @app.get("/v1/escalations")
+    async def list_escalations(request: Request, status: str | None = None, limit: str = "50") -> dict[str, Any]:
+        """Escalations, newest first: every one for an admin key (or on loopback without keys), else the
+        caller's own. Summaries only; the answer is at /v1/escalations/{id}."""
+        if status is not None and status not in STATUSES:
+            raise ApiError(400, f"status must be one of {', '.join(STATUSES)} (got {status!r})",
+                           code="invalid_parameter", param="status")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            raise ApiError(400, f"limit must be a whole number from 1 to 1000 (got {limit!r})",
+                           code="invalid_parameter", param="limit")
+        if proxy.cascade is None:
+            return {"object": "list", "data": []}
+        owner = _owner_filter(request)
+        rows = await asyncio.to_thread(proxy.cascade.outbox.list, status, owner, int(limit))
+        return {"object": "list", "data": [e.summary() for e in rows]}
+
+    @app.get("/v1/escalations/{esc_id}")
+    async def get_escalation(request: Request, esc_id: str) -> dict[str, Any]:
+        """One escalation with the regional answer once it has arrived."""
+        esc = await asyncio.to_thread(proxy.cascade.outbox.get, esc_id) if proxy.cascade is not None else None
+        owner = _owner_filter(request)
+        if esc is None or (owner is not None and esc.key_id != owner):
+            raise ApiError(404, f"no escalation with id {esc_id!r}", code="escalation_not_found", param="id")
+        return {**esc.summary(), "answer": esc.answer}
+
+    def _owner_filter(request: Request) -> str | None:
+        """None: may see all. A key that is not an admin key sees its own escalations only."""
+        key = request.scope.get("state", {}).get("api_key")
+        if key is None or key.admin:
+            return None
+        return key.id
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -1,9 +1,10 @@
 """API-key access control for every route but /healthz and /readyz.
 
 Unlike vLLM's own --api-key (which guards only /v1 routes), the key is checked before routing, so an
-unknown route is 401 too and nothing answers unauthenticated but the two probes. Admin routes
-(/v1/appliance/*, /v1/escalations*) need a key created with --admin. Keys are never logged: the request
-log records the key's public id only.
+unknown route is 401 too and nothing answers unauthenticated but the two probes. /v1/appliance/* needs a
+key created with --admin. /v1/escalations* shows an admin key every escalation and any other key only
+its own (the application that got an escalation id must be able to fetch its answer). Keys are never
+logged: the request log records the key's public id only.
 
 A plain ASGI middleware, not Starlette's BaseHTTPMiddleware, which would wrap every streamed event.
 """
@@ -17,7 +18,7 @@ from appliance.api.errors import ApiError
 from appliance.keys import KeyVerifier
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-ADMIN_PREFIXES = ("/v1/appliance/", "/v1/escalations")
+ADMIN_PREFIXES = ("/v1/appliance/",)
 
 
 def is_loopback(host: str) -> bool:

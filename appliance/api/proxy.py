@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -27,16 +27,21 @@ from starlette.background import BackgroundTask
 
 from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.admission import Request as AdmissionRequest
+from appliance.api import answers
 from appliance.api.errors import ApiError, error_body
 from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
+from cascade import signals
+from cascade.policy import Decision, PolicyError, RequestFacts, parse_headers
+from cascade.service import Cascade, EscalationResult
 
 log = logging.getLogger(__name__)
 
 _USAGE_MARK = b'"usage":{'
 _EMPTY_CHOICES = b'"choices":[]'
+_DONE = b"data: [DONE]"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -55,9 +60,11 @@ def new_request_id() -> str:
 
 class EngineProxy:
     def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None,
-                 metrics: Metrics | None = None, admission: AdmissionGate | None = None) -> None:
+                 metrics: Metrics | None = None, admission: AdmissionGate | None = None,
+                 cascade: Cascade | None = None) -> None:
         self.supervisor = supervisor
         self.admission = admission
+        self.cascade = cascade
         self.settings = settings
         self.request_log = request_log
         self.metrics = metrics
@@ -111,8 +118,13 @@ class EngineProxy:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def check_model(self, model: str) -> None:
-        if model != self.settings.served_name:
+    def check_model(self, model: str, decision: Decision | None = None) -> None:
+        if decision is not None and decision.action == "refuse":
+            status, code = (404, "model_not_found") if "no regional endpoint" in decision.reason else \
+                (403, "escalation_forbidden")
+            raise ApiError(status, f"the model '{model}' cannot be served here: {decision.reason}", code=code,
+                           param="model")
+        if model != self.settings.served_name and not (self.cascade and self.cascade.serves_regionally(model)):
             raise ApiError(
                 404,
                 f"the model '{model}' does not exist here; this appliance serves '{self.settings.served_name}'",
@@ -147,8 +159,9 @@ class EngineProxy:
         try:
             body = await self.read_json(request)
             parsed = validate_body(schema, body)
-            self.check_model(parsed.model)
-            base = self.require_ready()
+            decision = self._decide(request, parsed, body, key)
+            self.check_model(parsed.model, decision)
+            base = self._engine_or_regional(decision)
         except ApiError as e:
             model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
             self._record(RequestRecord(id=rid, ts=time.time(), route=route, model=model, status=e.status,
@@ -158,27 +171,105 @@ class EngineProxy:
 
         stream = bool(parsed.stream)
         client_wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        if stream and not client_wants_usage:
-            opts = dict(body.get("stream_options") or {})
-            opts["include_usage"] = True
-            body["stream_options"] = opts
-
         rec = RequestRecord(
             id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream, key_id=key_id, extra=extra,
             prompt=_prompt_text(body) if self.request_log and self.request_log.keep_text else None,
         )
+        job = _Job(rec=rec, t0=t0, body=body, stream=stream, client_wants_usage=client_wants_usage,
+                   cls=cls, tenant=key.tenant if key else None, decision=decision)
+        if base is None:
+            return await self._answer_regionally(request, job, base)
+        if decision is not None and decision.action == "escalate_now":
+            if decision.mode == "sync" or parsed.model != self.settings.served_name:
+                return await self._answer_regionally(request, job, base)
+            job.escalation = await self._escalate(job, sync=False, reason=decision.reason)
+        elif decision is not None and decision.action == "local_then_judge":
+            job.judge = True
+            job.client_wants_logprobs = answers.request_logprobs(body, chat=route == "/v1/chat/completions")
+        if self.cascade is not None:
+            self.cascade.count("local")
+        return await self._answer_locally(request, job, base)
+
+    def _decide(self, request: Request, parsed: Any, body: dict, key: Any) -> Decision | None:
+        if self.cascade is None:
+            return None
         try:
-            ticket = await self._admit(request, AdmissionRequest(cls, _estimate_tokens(body), _max_tokens(parsed)))
+            header_escalate, header_mode, local_only = parse_headers(dict(request.headers))
+        except PolicyError as e:
+            raise ApiError(400, str(e), code="invalid_header", param=e.param) from None
+        return self.cascade.decide(RequestFacts(
+            model=parsed.model, tenant=key.tenant if key else None, header_escalate=header_escalate,
+            header_mode=header_mode, local_only_header=local_only, prompt_tokens=_estimate_tokens(body),
+            max_tokens=_max_tokens(parsed)))
+
+    def _engine_or_regional(self, decision: Decision | None) -> str | None:
+        """The engine's address; None when the answer comes from the regional cluster instead (a model
+        only it serves, or the local engine down while the policy allows escalation)."""
+        if decision is not None and decision.action == "escalate_now" and decision.mode == "sync":
+            return self.supervisor.base_url if self.supervisor.ready else None
+        try:
+            return self.require_ready()
+        except ApiError:
+            if decision is not None and decision.may_escalate and self.cascade and self.cascade.link_usable:
+                return None  # self-healing: while the engine restarts, the regional cluster answers
+            raise
+
+    async def _escalate(self, job: "_Job", sync: bool, reason: str) -> EscalationResult:
+        assert self.cascade is not None
+        key_id = job.rec.key_id
+        return await self.cascade.escalate(
+            job.rec.route, job.body, sync=sync, priority_class=job.cls, tenant=job.tenant, key_id=key_id,
+            reason=reason, keep_model=job.rec.model != self.settings.served_name)
+
+    async def _answer_regionally(self, request: Request, job: "_Job", base: str | None) -> Response:
+        """Sync escalation: the regional answer when the link delivers it; else the local one, marked."""
+        rec, decision = job.rec, job.decision
+        assert decision is not None and self.cascade is not None
+        reason = decision.reason if decision.action == "escalate_now" else "the local engine is not ready"
+        result = await self._escalate(job, sync=True, reason=reason)
+        job.escalation = result
+        if result.outcome == "answered" and result.answer is not None:
+            headers = {"X-Request-Id": rec.id, **answers.headers_for(result, reason, "regional")}
+            rec.status = 200
+            _take_usage(rec, result.answer.body.get("usage"))
+            self._record(rec, job.t0)
+            if job.stream:
+                return Response(answers.as_stream(result.answer.body, job.client_wants_usage), status_code=200,
+                                media_type="text/event-stream", headers=headers)
+            return Response(json.dumps(result.answer.body).encode(), status_code=200,
+                            media_type="application/json", headers=headers)
+        local_possible = base is not None and rec.model == self.settings.served_name
+        if local_possible:
+            self.cascade.count("fallback")
+            assert base is not None
+            return await self._answer_locally(request, job, base)
+        rec.status, rec.error_code = 503, "regional_unavailable"
+        self._record(rec, job.t0)
+        where = f"; it is queued as {result.id} (GET /v1/escalations/{result.id})" if result.outcome == "queued" else ""
+        raise ApiError(503, f"the regional cluster could not answer ({result.error or result.outcome}){where}",
+                       code="regional_unavailable",
+                       headers={"Retry-After": str(self.settings.retry_after_s), "X-Request-Id": rec.id,
+                                **answers.headers_for(result, reason, "none")})
+
+    async def _answer_locally(self, request: Request, job: "_Job", base: str) -> Response:
+        rec, body = job.rec, job.body
+        if job.stream and not job.client_wants_usage:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body["stream_options"] = opts
+        try:
+            ticket = await self._admit(request, AdmissionRequest(job.cls, _estimate_tokens(body),
+                                                                 body.get("max_completion_tokens") or body.get("max_tokens")))
         except ApiError as e:
             rec.status, rec.error_code = e.status, e.code
-            self._record(rec, t0)
-            e.headers.setdefault("X-Request-Id", rid)
+            self._record(rec, job.t0)
+            e.headers.setdefault("X-Request-Id", rec.id)
             raise
         except _ClientGone:
-            return self._client_gone(rec, t0)
+            return self._client_gone(rec, job.t0)
         admitted = time.perf_counter()
         try:
-            return await self._forward(request, base, body, rec, t0, ticket, stream, client_wants_usage, admitted)
+            return await self._forward(request, base, job, ticket, admitted)
         except BaseException:
             self._release(ticket)
             raise
@@ -201,11 +292,11 @@ class EngineProxy:
     async def _release_async(self, ticket: Ticket) -> None:
         self._release(ticket)
 
-    async def _forward(self, request: Request, base: str, body: dict, rec: RequestRecord, t0: float,
-                       ticket: Ticket | None, stream: bool, client_wants_usage: bool, admitted: float) -> Response:
-        rid = rec.id
+    async def _forward(self, request: Request, base: str, job: "_Job", ticket: Ticket | None,
+                       admitted: float) -> Response:
+        rec, t0, body = job.rec, job.t0, job.body
         upstream_req = self.client.build_request(
-            "POST", f"{base}{rec.route}", content=json.dumps(body).encode(), headers=self._auth(rid)
+            "POST", f"{base}{rec.route}", content=json.dumps(body).encode(), headers=self._auth(rec.id)
         )
         try:
             upstream = await self._send_watching_disconnect(request, upstream_req)
@@ -218,8 +309,10 @@ class EngineProxy:
             self._record(rec, t0)
             raise self._unreachable(e) from None
 
-        headers = {"X-Request-Id": rid}
-        if upstream.status_code != 200 or not stream:
+        headers = {"X-Request-Id": rec.id}
+        if job.decision is not None:
+            headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
+        if upstream.status_code != 200 or not job.stream:
             try:
                 content = await self._read_watching_disconnect(request, upstream)
             except _ClientGone:
@@ -230,6 +323,8 @@ class EngineProxy:
                 return self._finish_plain(rec, t0, 502, content, headers)
             finally:
                 self._release(ticket)
+            if job.judge and upstream.status_code == 200:
+                return await self._judged(job, content, headers)
             return self._finish_plain(rec, t0, upstream.status_code, content, headers)
 
         rec.status = 200
@@ -246,12 +341,50 @@ class EngineProxy:
             await upstream.aclose()
 
         return _ClosingStream(
-            self._relay(upstream, rec, t0, strip_usage=not client_wants_usage, on_first=first_token),
+            self._relay(upstream, rec, t0, strip_usage=not job.client_wants_usage, on_first=first_token,
+                        judge=self._stream_judge(job) if job.judge else None),
             on_close=on_close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(self._record_after_response, rec, t0),
         )
+
+    async def _judged(self, job: "_Job", content: bytes, headers: dict[str, str]) -> Response:
+        """Auto policy, non-streamed: judge the local answer; escalate it when the signals say so."""
+        assert self.cascade is not None and job.decision is not None
+        try:
+            data = json.loads(content)
+        except ValueError:
+            return self._finish_plain(job.rec, job.t0, 200, content, headers)
+        escalate, why, sig = self.cascade.judge(signals.from_response(data))
+        if not job.client_wants_logprobs:
+            answers.hide_logprobs(data)
+        local = json.dumps(data).encode()
+        if not escalate:
+            headers[answers.ESCALATION] = "none"
+            headers[answers.ESCALATION_REASON] = why
+            return self._finish_plain(job.rec, job.t0, 200, local, headers)
+        sync = job.decision.mode == "sync"
+        result = await self._escalate(job, sync=sync, reason=f"low confidence: {why}")
+        if result.outcome == "answered" and result.answer is not None:
+            headers.update(answers.headers_for(result, f"low confidence: {why}", "regional"))
+            return self._finish_plain(job.rec, job.t0, 200, json.dumps(result.answer.body).encode(), headers)
+        headers.update(answers.headers_for(result, f"low confidence: {why}", "local"))
+        return self._finish_plain(job.rec, job.t0, 200, local, headers)
+
+    def _stream_judge(self, job: "_Job") -> "_StreamJudge":
+        async def after(tl: signals.TokenLogprobs) -> bytes:
+            assert self.cascade is not None
+            escalate, why, _ = self.cascade.judge(tl)
+            if not escalate:
+                return b""
+            # The answer has been streamed already: the escalation is queued (async) whatever the mode.
+            result = await self._escalate(job, sync=False, reason=f"low confidence: {why}")
+            if result.id:
+                return answers.sse_comment(f"appliance-escalation-id={result.id} reason={why}")
+            return answers.sse_comment(f"appliance-escalation={result.outcome} reason={why}")
+
+        return _StreamJudge(hide=not job.client_wants_logprobs, after=after)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -285,7 +418,8 @@ class EngineProxy:
                         background=BackgroundTask(self._record_after_response, rec, t0))
 
     async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool,
-                     on_first: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
+                     on_first: Callable[[], None] = lambda: None,
+                     judge: "_StreamJudge | None" = None) -> AsyncIterator[bytes]:
         buf = b""
         texts: list[str] | None = [] if rec.prompt is not None else None
         try:
@@ -298,8 +432,12 @@ class EngineProxy:
                 if cut < 0:
                     continue
                 ready, buf = buf[: cut + 2], buf[cut + 2 :]
-                if _USAGE_MARK in ready or texts is not None:
-                    ready = self._inspect_events(ready, rec, strip_usage, texts)
+                if _USAGE_MARK in ready or texts is not None or judge is not None:
+                    ready = self._inspect_events(ready, rec, strip_usage, texts, judge)
+                if judge is not None and _DONE in ready:
+                    # The answer is complete: judge it before the client sees the end of the stream.
+                    head, tail = ready.split(_DONE, 1)
+                    ready = head + await judge.after(judge.acc.result()) + _DONE + tail
                 if ready:
                     yield ready
             if buf:
@@ -322,20 +460,26 @@ class EngineProxy:
                 rec.completion = "".join(texts)
 
     @staticmethod
-    def _inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None) -> bytes:
+    def _inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None,
+                        judge: "_StreamJudge | None" = None) -> bytes:
         kept: list[bytes] = []
         for event in ready.split(b"\n\n"):
             if not event:
                 continue
             if event.startswith(b"data: {"):
                 is_usage = _USAGE_MARK in event
-                if is_usage or texts is not None:
+                if is_usage or texts is not None or judge is not None:
                     with contextlib.suppress(ValueError):
                         data = json.loads(event[6:])
                         if is_usage:
                             _take_usage(rec, data.get("usage"))
                         if texts is not None:
                             texts.append(_completion_text(data, delta=True))
+                        if judge is not None:
+                            judge.acc.add_chunk(data)
+                            if judge.hide:
+                                answers.hide_logprobs(data)
+                                event = b"data: " + json.dumps(data).encode()
                 if is_usage and strip_usage and _EMPTY_CHOICES in event:
                     continue
             kept.append(event + b"\n\n")
@@ -362,6 +506,30 @@ class EngineProxy:
 
 class _ClientGone(Exception):
     pass
+
+
+@dataclass
+class _Job:
+    """One generation request on its way through the gateway."""
+
+    rec: RequestRecord
+    t0: float
+    body: dict
+    stream: bool
+    client_wants_usage: bool
+    cls: str
+    tenant: str | None
+    decision: Decision | None
+    judge: bool = False  # auto policy: judge the local answer's confidence
+    client_wants_logprobs: bool = False
+    escalation: EscalationResult | None = None
+
+
+@dataclass
+class _StreamJudge:
+    hide: bool  # the client did not ask for log-probabilities: remove them from every chunk
+    after: Callable[[signals.TokenLogprobs], Awaitable[bytes]]
+    acc: signals.StreamAccumulator = field(default_factory=signals.StreamAccumulator)
 
 
 class _ClosingStream(StreamingResponse):

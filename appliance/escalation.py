@@ -1,0 +1,60 @@
+"""Builds the cascade (policy, outbox, regional client, forwarder) from the configuration."""
+
+from __future__ import annotations
+
+from appliance.config import Config
+from appliance.metrics import Metrics
+from cascade.forwarder import Forwarder
+from cascade.outbox import Outbox
+from cascade.policy import PolicyConfig, TenantPolicy, Thresholds
+from cascade.regional import RegionalClient, RegionalSettings
+from cascade.service import Cascade
+
+OUTBOX_FILE = "outbox.db"
+
+
+def policy_config(cfg: Config, local_context: int) -> PolicyConfig:
+    p, t = cfg.policy, cfg.policy.thresholds
+    return PolicyConfig(
+        regional_enabled=cfg.regional.enabled,
+        default=p.escalate,
+        mode=p.mode,
+        thresholds=Thresholds(mean_logprob=t.mean_logprob, min_logprob=t.min_logprob,
+                              quantile_logprob=t.quantile_logprob, neg_mean_entropy=t.neg_mean_entropy),
+        tenants={name: TenantPolicy(tp.escalate, tp.mode, tp.local_only) for name, tp in p.tenants.items()},
+        local_model=cfg.served_name,
+        regional_model=cfg.regional.model,
+        regional_models=frozenset(cfg.regional.models),
+        local_context=local_context,
+    )
+
+
+def regional_settings(cfg: Config) -> RegionalSettings:
+    r = cfg.regional
+    return RegionalSettings(
+        base_url=r.base_url, model=r.model, token_file=r.token_file, ca_bundle=r.ca_bundle,
+        client_cert=r.client_cert, client_key=r.client_key, connect_timeout_s=r.connect_timeout_s,
+        read_timeout_s=r.read_timeout_s, retries=r.retries, breaker_failures=r.breaker_failures,
+        breaker_reset_s=r.breaker_reset_s, breaker_max_reset_s=r.breaker_max_reset_s,
+    )
+
+
+def open_outbox(cfg: Config) -> Outbox:
+    return Outbox(cfg.state.directory / OUTBOX_FILE, max_pending=cfg.policy.outbox_max_pending,
+                  max_age_s=cfg.policy.outbox_max_age_s)
+
+
+def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = None) -> Cascade | None:
+    """None when no regional endpoint is configured: then every request is answered locally, at no cost."""
+    if not cfg.regional.enabled:
+        return None
+    outbox = open_outbox(cfg)
+    client = RegionalClient(regional_settings(cfg))
+    forwarder = Forwarder(outbox, client, concurrency=cfg.regional.forward_concurrency,
+                          poll_s=cfg.regional.forward_poll_s, max_attempts=cfg.regional.max_attempts,
+                          on_result=metrics.observe_forward if metrics else (lambda outcome: None))
+    cascade = Cascade(policy_config(cfg, local_context), outbox, client, forwarder,
+                      quantile=cfg.policy.thresholds.quantile)
+    if metrics is not None:
+        metrics.attach_cascade(cascade.status)
+    return cascade

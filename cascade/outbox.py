@@ -1,0 +1,236 @@
+"""The escalation outbox: SQLite in WAL mode, written before the client gets its answer.
+
+Every escalation, sent at once or later, is a row here, so its regional answer can be fetched by id
+and nothing is lost when the link or the process dies.
+
+    queued  --claim-->  sending  --done-->    done
+      ^                    |  --rejected-->  failed   (the regional side refused it: no resend)
+      |                    |  --gave up-->   failed   (max_attempts answered errors)
+      +----- link down ----+
+      +----- restart (a crash between the send and the commit) --+
+    queued --older than max_age--> expired
+
+The guarantee is at-least-once delivery with an idempotency key (the escalation id): a row in `sending`
+when the process died is sent again after the restart with the same key, and the regional side drops the
+duplicate. Once a row is `done` it is never sent again.
+
+Synchronous on purpose (plain SQLite, easy to test); the service calls it from a worker thread.
+`synchronous=FULL`: a row written here survives power loss, not only a crash of the process.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlite_utils
+
+Status = Literal["queued", "sending", "done", "failed", "expired"]
+STATUSES: tuple[Status, ...] = ("queued", "sending", "done", "failed", "expired")
+PRIORITY = {"gold": 0, "silver": 1, "bronze": 2}
+PENDING = ("queued", "sending")
+
+
+class OutboxFull(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Escalation:
+    id: str
+    created: float
+    status: Status
+    route: str
+    request: dict[str, Any]
+    priority: int = 1
+    tenant: str | None = None
+    key_id: str | None = None
+    reason: str = ""
+    attempts: int = 0
+    next_attempt: float = 0.0
+    last_error: str | None = None
+    answer: dict[str, Any] | None = None
+    delivered: float | None = None
+    sends: int = 0  # times it went over the link (a resend after a crash counts)
+
+    def summary(self) -> dict[str, Any]:
+        """Without the request and the answer: what lists and logs may show."""
+        return {"id": self.id, "created": self.created, "status": self.status, "route": self.route,
+                "priority": self.priority, "tenant": self.tenant, "key_id": self.key_id, "reason": self.reason,
+                "attempts": self.attempts, "sends": self.sends, "last_error": self.last_error,
+                "delivered": self.delivered}
+
+
+def new_id() -> str:
+    return f"esc-{uuid.uuid4().hex}"
+
+
+def _row(r: dict[str, Any]) -> Escalation:
+    return Escalation(
+        id=r["id"], created=r["created"], status=r["status"], route=r["route"], request=json.loads(r["request"]),
+        priority=r["priority"], tenant=r["tenant"], key_id=r["key_id"], reason=r["reason"] or "",
+        attempts=r["attempts"], next_attempt=r["next_attempt"], last_error=r["last_error"],
+        answer=json.loads(r["answer"]) if r["answer"] else None, delivered=r["delivered"], sends=r["sends"],
+    )
+
+
+class Outbox:
+    def __init__(self, path: Path, max_pending: int = 50_000, max_age_s: float = 7 * 86400,
+                 clock=time.time) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=10, isolation_level=None)
+        self.db = sqlite_utils.Database(conn)
+        self.db.enable_wal()
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA busy_timeout=10000")
+        self._lock = threading.Lock()  # one connection shared by worker threads
+        self.max_pending = max_pending
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._create()
+
+    def _create(self) -> None:
+        t = self.db["escalations"]
+        if not t.exists():
+            t.create({"id": str, "created": float, "status": str, "route": str, "request": str, "priority": int,
+                      "tenant": str, "key_id": str, "reason": str, "attempts": int, "next_attempt": float,
+                      "last_error": str, "answer": str, "delivered": float, "sends": int}, pk="id")
+            t.create_index(["status", "priority", "created"])
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def put(self, route: str, request: dict[str, Any], *, priority_class: str = "silver", tenant: str | None = None,
+            key_id: str | None = None, reason: str = "", esc_id: str | None = None,
+            status: Status = "queued") -> Escalation:
+        """Store a new escalation durably; OutboxFull when max_pending are already waiting."""
+        now = self.clock()
+        row = {"id": esc_id or new_id(), "created": now, "status": status, "route": route,
+               "request": json.dumps(request), "priority": PRIORITY.get(priority_class, 1), "tenant": tenant,
+               "key_id": key_id, "reason": reason, "attempts": 0, "next_attempt": now, "last_error": None,
+               "answer": None, "delivered": None, "sends": 0}
+        with self._lock, self.db.atomic():
+            if status in PENDING and self._pending() >= self.max_pending:
+                raise OutboxFull(f"the escalation outbox holds {self.max_pending} waiting escalations "
+                                 "(policy.outbox_max_pending)")
+            self.db["escalations"].insert(row)
+        return _row(row)
+
+    def claim(self, limit: int) -> list[Escalation]:
+        """Take up to `limit` due rows, gold before silver before bronze, oldest first; mark them sending."""
+        now = self.clock()
+        with self._lock, self.db.atomic():
+            rows = list(self.db.query(
+                "UPDATE escalations SET status='sending', sends=sends+1 WHERE id IN ("
+                " SELECT id FROM escalations WHERE status='queued' AND next_attempt<=?"
+                " ORDER BY priority, created LIMIT ?) RETURNING *", [now, limit]))
+        return sorted((_row(r) for r in rows), key=lambda e: (e.priority, e.created))
+
+    def mark_sending(self, esc_id: str) -> None:
+        """The request path sends at once (sync mode): the row is written first, then marked, then sent."""
+        with self._lock, self.db.atomic():
+            self.db.execute("UPDATE escalations SET status='sending', sends=sends+1 WHERE id=?", [esc_id])
+
+    def done(self, esc_id: str, answer: dict[str, Any]) -> None:
+        with self._lock, self.db.atomic():
+            self.db.execute("UPDATE escalations SET status='done', answer=?, delivered=?, last_error=NULL "
+                            "WHERE id=? AND status!='done'", [json.dumps(answer), self.clock(), esc_id])
+
+    def release(self, esc_id: str, error: str, retry_in_s: float = 0.0, counts: bool = False,
+                max_attempts: int | None = None) -> Status:
+        """Back to the queue after a failed send (or to failed once max_attempts answered errors)."""
+        with self._lock, self.db.atomic():
+            r = self.db.execute("SELECT attempts FROM escalations WHERE id=?", [esc_id]).fetchone()
+            if r is None:
+                return "failed"
+            attempts = r[0] + (1 if counts else 0)
+            status: Status = "failed" if max_attempts is not None and attempts >= max_attempts else "queued"
+            self.db.execute("UPDATE escalations SET status=?, attempts=?, last_error=?, next_attempt=? "
+                            "WHERE id=? AND status='sending'",
+                            [status, attempts, error[:500], self.clock() + retry_in_s, esc_id])
+        return status
+
+    def fail(self, esc_id: str, error: str) -> None:
+        with self._lock, self.db.atomic():
+            self.db.execute("UPDATE escalations SET status='failed', attempts=attempts+1, last_error=? WHERE id=?",
+                            [error[:500], esc_id])
+
+    def recover(self) -> int:
+        """At start: rows left in `sending` by a crash go back to the queue (their key makes a resend safe)."""
+        with self._lock, self.db.atomic():
+            return self.db.execute("UPDATE escalations SET status='queued' WHERE status='sending'").rowcount
+
+    def expire(self) -> int:
+        cutoff = self.clock() - self.max_age_s
+        with self._lock, self.db.atomic():
+            return self.db.execute("UPDATE escalations SET status='expired', last_error='older than "
+                                   "policy.outbox_max_age_s' WHERE status='queued' AND created<?", [cutoff]).rowcount
+
+    def retry(self, ids: Iterable[str] | None = None) -> int:
+        """Failed or expired rows back to the queue: the given ids, or all of them."""
+        with self._lock, self.db.atomic():
+            if ids is None:
+                sql, args = "status IN ('failed','expired')", []
+            else:
+                ids = list(ids)
+                sql = f"status IN ('failed','expired') AND id IN ({','.join('?' * len(ids))})"
+                args = ids
+            return self.db.execute(f"UPDATE escalations SET status='queued', attempts=0, next_attempt=? "
+                                   f"WHERE {sql}", [self.clock(), *args]).rowcount
+
+    def purge(self, statuses: Iterable[str] = ("done", "failed", "expired"), older_than_s: float = 0.0,
+              ids: Iterable[str] | None = None) -> int:
+        """Delete finished rows; pending ones (queued, sending) are never purged."""
+        statuses = [s for s in statuses if s not in PENDING]
+        if not statuses:
+            return 0
+        where = f"status IN ({','.join('?' * len(statuses))}) AND created<=?"
+        args: list[Any] = [*statuses, self.clock() - older_than_s]
+        if ids is not None:
+            ids = list(ids)
+            where += f" AND id IN ({','.join('?' * len(ids))})"
+            args += ids
+        with self._lock, self.db.atomic():
+            return self.db.execute(f"DELETE FROM escalations WHERE {where}", args).rowcount
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def get(self, esc_id: str) -> Escalation | None:
+        with self._lock:
+            rows = list(self.db.query("SELECT * FROM escalations WHERE id=?", [esc_id]))
+        return _row(rows[0]) if rows else None
+
+    def list(self, status: str | None = None, key_id: str | None = None, limit: int = 50) -> list[Escalation]:
+        where, args = [], []
+        if status:
+            where.append("status=?")
+            args.append(status)
+        if key_id:
+            where.append("key_id=?")
+            args.append(key_id)
+        sql = "SELECT * FROM escalations" + (" WHERE " + " AND ".join(where) if where else "")
+        with self._lock:
+            rows = list(self.db.query(sql + " ORDER BY created DESC LIMIT ?", [*args, limit]))
+        return [_row(r) for r in rows]
+
+    def _pending(self) -> int:
+        return self.db.execute("SELECT count(*) FROM escalations WHERE status IN ('queued','sending')").fetchone()[0]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self.db.execute("SELECT status, count(*) FROM escalations GROUP BY status").fetchall())
+            oldest = self.db.execute("SELECT min(created) FROM escalations WHERE status IN ('queued','sending')"
+                                     ).fetchone()[0]
+        return {"counts": {s: counts.get(s, 0) for s in STATUSES},
+                "depth": counts.get("queued", 0) + counts.get("sending", 0),
+                "oldest_age_s": self.clock() - oldest if oldest is not None else 0.0,
+                "max_pending": self.max_pending}

@@ -1,0 +1,137 @@
+"""The cascade as the gateway uses it: policy, outbox, regional client and forwarder in one place.
+
+The request path asks `decide` before answering, `judge` after a local answer, and `escalate` to store an
+escalation (always written to the outbox first) and, in sync mode, send it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cascade import policy, signals
+from cascade.forwarder import Forwarder
+from cascade.outbox import Escalation, Outbox, OutboxFull
+from cascade.regional import LinkDown, RegionalAnswer, RegionalClient, RegionalError, RegionalFailed, RegionalRejected
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["answered", "queued", "rejected", "outbox_full"]
+
+
+@dataclass(frozen=True)
+class EscalationResult:
+    outcome: Outcome
+    escalation: Escalation | None
+    answer: RegionalAnswer | None = None
+    error: str = ""
+
+    @property
+    def id(self) -> str | None:
+        return self.escalation.id if self.escalation else None
+
+
+def regional_body(request: dict[str, Any], regional_model: str, keep_model: bool) -> dict[str, Any]:
+    """What goes over the backhaul: the client's request, non-streamed, for the regional model."""
+    body = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
+    if regional_model and not keep_model:
+        body["model"] = regional_model
+    return body
+
+
+class Cascade:
+    def __init__(self, cfg: policy.PolicyConfig, outbox: Outbox, client: RegionalClient | None,
+                 forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE) -> None:
+        self.cfg = cfg
+        self.outbox = outbox
+        self.client = client
+        self.forwarder = forwarder
+        self.quantile = quantile
+        self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
+
+    # -- decisions (pure, delegated) ---------------------------------------------------------------
+
+    def decide(self, facts: policy.RequestFacts) -> policy.Decision:
+        return policy.decide(self.cfg, facts)
+
+    def judge(self, tl: signals.TokenLogprobs) -> tuple[bool, str, signals.Signals | None]:
+        sig = signals.compute(tl, self.quantile)
+        escalate, why = policy.judge(self.cfg.thresholds, sig)
+        return escalate, why, sig
+
+    def serves_regionally(self, model: str) -> bool:
+        return self.cfg.regional_enabled and model in self.cfg.regional_models
+
+    @property
+    def link_usable(self) -> bool:
+        """Is a sync send worth trying now? False while the breaker is open (no waiting for timeouts)."""
+        if self.client is None:
+            return False
+        br = self.client.breaker
+        return br.state == "closed" or (br.state == "open" and br.retry_in_s == 0) or br.state == "half_open"
+
+    # -- escalating --------------------------------------------------------------------------------
+
+    async def escalate(self, route: str, request: dict[str, Any], *, sync: bool, priority_class: str,
+                       tenant: str | None, key_id: str | None, reason: str,
+                       keep_model: bool = False) -> EscalationResult:
+        """Store the escalation durably, then send it now (sync, while the link is usable) or leave it to
+        the forwarder. A sync send that fails over the link leaves the row queued for the forwarder."""
+        body = regional_body(request, self.cfg.regional_model, keep_model)
+        try:
+            esc = await asyncio.to_thread(self.outbox.put, route, body, priority_class=priority_class,
+                                          tenant=tenant, key_id=key_id, reason=reason)
+        except OutboxFull as e:
+            self.counts["outbox_full"] += 1
+            log.warning("escalation refused: %s", e)
+            return EscalationResult("outbox_full", None, error=str(e))
+        if not sync or self.client is None or not self.link_usable:
+            self._queued(esc)
+            return EscalationResult("queued", esc)
+        await asyncio.to_thread(self.outbox.mark_sending, esc.id)
+        try:
+            answer = await self.client.complete(route, body, idempotency_key=esc.id)
+        except RegionalRejected as e:
+            await asyncio.to_thread(self.outbox.fail, esc.id, str(e))
+            self.counts["failed"] += 1
+            return EscalationResult("rejected", esc, error=str(e))
+        except (LinkDown, RegionalFailed) as e:
+            await asyncio.to_thread(self.outbox.release, esc.id, str(e), 0.0, isinstance(e, RegionalFailed))
+            self._queued(esc)
+            return EscalationResult("queued", esc, error=str(e))
+        except RegionalError as e:  # pragma: no cover - the three kinds above are all there are
+            raise AssertionError(e) from None
+        await asyncio.to_thread(self.outbox.done, esc.id, answer.body)
+        self.counts["escalated"] += 1
+        return EscalationResult("answered", esc, answer)
+
+    def _queued(self, esc: Escalation) -> None:
+        self.counts["queued"] += 1
+        if self.forwarder is not None:
+            self.forwarder.wake()
+
+    def count(self, what: str) -> None:
+        self.counts[what] += 1
+
+    # -- observability -----------------------------------------------------------------------------
+
+    def link_state(self) -> dict[str, Any]:
+        if self.client is None:
+            return {"configured": False}
+        br = self.client.breaker
+        return {"configured": True, "up": self.client.link_up, "breaker": br.state,
+                "retry_in_s": round(br.retry_in_s, 1)}
+
+    def status(self) -> dict[str, Any]:
+        """Counts, outbox depth and age, link and breaker: for /v1/appliance/status and the metrics.
+        (One indexed COUNT query: cheap enough to run on the event loop.)"""
+        return {"configured": True, "requests": dict(self.counts), "outbox": self.outbox.stats(),
+                "link": self.link_state()}
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        self.outbox.close()

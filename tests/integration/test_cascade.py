@@ -1,0 +1,366 @@
+"""The cascade end to end: a real local engine, a real regional server (a second appliance with its own
+vLLM) behind a recording front and a TCP fault injector, and what the regional side actually received.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import keys
+from tests.regional import FaultInjector, RegionalRecorder
+from tests.support import RunningAppliance, start_appliance, wait_for
+
+pytestmark = pytest.mark.engine
+
+REGIONAL_MODEL = "regional-smollm2"
+TOKEN = "regional-secret-token-" + uuid.uuid4().hex
+OUTBOX_BOUND = 100
+
+
+def edge_toml(injector_port: int, token_file: Path) -> str:
+    return f"""
+[regional]
+enabled = true
+base_url = "http://127.0.0.1:{injector_port}/v1"
+model = "{REGIONAL_MODEL}"
+models = ["{REGIONAL_MODEL}"]
+token_file = "{token_file}"
+connect_timeout_s = 1
+read_timeout_s = 8
+breaker_failures = 2
+breaker_reset_s = 5
+breaker_max_reset_s = 10
+forward_poll_s = 0.3
+forward_concurrency = 4
+
+[policy]
+escalate = "never"
+mode = "async"
+outbox_max_pending = {OUTBOX_BOUND}
+
+[policy.tenants.clinic]
+local_only = true
+
+[policy.tenants.lab]
+escalate = "always"
+mode = "sync"
+"""
+
+
+class Site:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.regional = start_appliance(root / "regional", served_name=REGIONAL_MODEL)
+        self.recorder: RegionalRecorder | None = None
+        self.injector: FaultInjector | None = None
+        self.edge: RunningAppliance | None = None
+        self.token_file = root / "regional.token"
+        self.token_file.write_text(TOKEN)
+        self.token_file.chmod(0o600)
+        self.keys: dict[str, str] = {}
+
+    def start_edge(self) -> RunningAppliance:
+        assert self.injector is not None
+        self.edge = start_appliance(self.root / "edge", extra=edge_toml(self.injector.port, self.token_file))
+        return self.edge
+
+    def url(self) -> str:
+        assert self.edge is not None
+        return self.edge.url
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cascade")
+    s = Site(root)
+    try:
+        s.recorder = RegionalRecorder(s.regional.url, token=TOKEN)
+        s.injector = FaultInjector(s.recorder.port)
+        db = root / "edge" / "state" / "appliance.db"
+        db.parent.mkdir(parents=True)
+        for tenant in ("default", "clinic", "lab"):
+            s.keys[tenant] = keys.create(db, f"{tenant}-app", tenant=tenant)[1]
+        s.keys["admin"] = keys.create(db, "ops", admin=True)[1]
+        s.start_edge()
+        s.regional.wait_ready()
+        s.edge.wait_ready()
+        yield s
+    finally:
+        for closer in (lambda: s.edge and s.edge.stop(), lambda: s.regional.stop(),
+                       lambda: s.injector and s.injector.close(), lambda: s.recorder and s.recorder.close()):
+            closer()
+
+
+@pytest.fixture(autouse=True)
+def healthy_link(site):
+    site.injector.set("pass")
+    site.recorder.behaviour = "normal"
+    yield
+
+
+def marker() -> str:
+    return f"marker-{uuid.uuid4().hex[:12]}"
+
+
+def chat(site: Site, text: str, *, tenant: str = "default", headers: dict | None = None, stream: bool = False,
+         max_tokens: int = 8, timeout: float = 60, **extra) -> httpx.Response:
+    body = {"model": extra.pop("model", site.edge.served_name), "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
+    h = {"Authorization": f"Bearer {site.keys[tenant]}", **(headers or {})}
+    return httpx.post(f"{site.url()}/v1/chat/completions", json=body, headers=h, timeout=timeout)
+
+
+def escalation(site: Site, esc_id: str, key: str = "admin") -> httpx.Response:
+    return httpx.get(f"{site.url()}/v1/escalations/{esc_id}",
+                     headers={"Authorization": f"Bearer {site.keys[key]}"}, timeout=10)
+
+
+def wait_done(site: Site, esc_id: str, timeout: float = 60) -> dict:
+    return wait_for(lambda: (e := escalation(site, esc_id).json()).get("status") == "done" and e, timeout,
+                    what=f"escalation {esc_id} to be delivered")
+
+
+SYNC = {"X-Appliance-Escalate": "always", "X-Appliance-Escalation-Mode": "sync"}
+ASYNC = {"X-Appliance-Escalate": "always", "X-Appliance-Escalation-Mode": "async"}
+
+
+# -- policy, asserted on what the regional server received --------------------------------------------
+
+
+def test_default_never_stays_local(site: Site):
+    m = marker()
+    r = chat(site, f"Say hello. {m}")
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
+    assert r.json()["model"] == site.edge.served_name
+    time.sleep(1)
+    assert site.recorder.bodies_with(m) == []
+
+
+def test_always_sync_is_answered_by_the_regional_cluster(site: Site):
+    m = marker()
+    r = chat(site, f"Name a colour. {m}", headers=SYNC)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-appliance-answered-by"] == "regional" and r.headers["x-appliance-escalation"] == "answered"
+    esc_id = r.headers["x-appliance-escalation-id"]
+    assert r.json()["model"] == REGIONAL_MODEL
+    sent = site.recorder.bodies_with(m)
+    assert len(sent) == 1 and sent[0]["model"] == REGIONAL_MODEL and "stream" not in sent[0]
+    assert site.recorder.received[esc_id] == 1 and site.recorder.applied[esc_id] == 1
+    e = escalation(site, esc_id).json()
+    assert e["status"] == "done" and e["answer"]["model"] == REGIONAL_MODEL
+
+
+def test_always_sync_streams_the_regional_answer(site: Site):
+    m = marker()
+    with httpx.stream("POST", f"{site.url()}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {site.keys['default']}", **SYNC},
+                      json={"model": site.edge.served_name, "messages": [{"role": "user", "content": m}],
+                            "max_tokens": 6, "stream": True}) as r:
+        assert r.headers["x-appliance-answered-by"] == "regional"
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == REGIONAL_MODEL for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_always_async_answers_locally_and_delivers_later(site: Site):
+    m = marker()
+    r = chat(site, f"Count to three. {m}", headers=ASYNC)
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
+    assert r.headers["x-appliance-escalation"] == "queued"
+    esc_id = r.headers["x-appliance-escalation-id"]
+    done = wait_done(site, esc_id)
+    assert done["answer"]["model"] == REGIONAL_MODEL
+    # a slow regional answer may be resent after a read timeout: applied once all the same
+    assert site.recorder.applied[esc_id] == 1 and site.recorder.bodies_with(m)
+
+
+def test_tenant_policy_per_key(site: Site):
+    m = marker()
+    r = chat(site, f"Hi. {m}", tenant="lab")  # the lab tenant escalates always, sync
+    assert r.headers["x-appliance-answered-by"] == "regional"
+    assert len(site.recorder.bodies_with(m)) == 1
+
+
+def test_local_only_data_never_leaves_the_site(site: Site):
+    m1, m2 = marker(), marker()
+    r = chat(site, f"Patient note. {m1}", tenant="clinic", headers=SYNC)
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
+    r = chat(site, f"Private. {m2}", headers={**SYNC, "X-Appliance-Data": "local-only"})
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
+    r = chat(site, "regional only model", tenant="clinic", model=REGIONAL_MODEL)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "escalation_forbidden"
+    time.sleep(1)
+    assert site.recorder.bodies_with(m1) == [] and site.recorder.bodies_with(m2) == []
+
+
+def test_a_model_only_the_regional_cluster_serves(site: Site):
+    r = chat(site, "Hello", model=REGIONAL_MODEL, headers={"X-Appliance-Escalate": "auto"})
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional"
+    assert r.json()["model"] == REGIONAL_MODEL
+
+
+def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
+    auto = {"X-Appliance-Escalate": "auto", "X-Appliance-Escalation-Mode": "async"}
+    sure = marker()
+    r = httpx.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
+                   json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
+                         "temperature": 0})
+    assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "none"
+    assert r.json()["choices"][0]["logprobs"] is None  # requested for the judge, hidden from the client
+    doubt = marker()
+    # Sampling at temperature 2 picks tokens the model itself finds unlikely: low confidence by design.
+    r = httpx.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
+                   json={"model": site.edge.served_name, "prompt": f"{doubt} Once upon a time", "max_tokens": 24,
+                         "temperature": 2.0, "seed": 1, "logprobs": 2})
+    assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued"
+    assert "low confidence" in r.headers["x-appliance-escalation-reason"]
+    assert r.json()["choices"][0]["logprobs"]["token_logprobs"]  # the client asked: kept
+    esc_id = r.headers["x-appliance-escalation-id"]
+    wait_done(site, esc_id)
+    assert site.recorder.applied[esc_id] == 1 and site.recorder.bodies_with(doubt)
+    assert site.recorder.bodies_with(sure) == []
+
+
+def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: Site):
+    m = marker()
+    with httpx.stream("POST", f"{site.url()}/v1/completions", timeout=60,
+                      headers={"X-Appliance-Escalate": "auto"},
+                      json={"model": site.edge.served_name, "prompt": f"{m} Once upon a time", "max_tokens": 24,
+                            "temperature": 2.0, "seed": 1, "stream": True}) as r:
+        lines = list(r.iter_lines())
+    comments = [line for line in lines if line.startswith(": appliance-escalation-id=")]
+    assert len(comments) == 1
+    esc_id = comments[0].split("=", 1)[1].split()[0]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks and all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+    assert lines.index(comments[0]) < lines.index("data: [DONE]")
+    wait_done(site, esc_id)
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+
+def test_bad_header_values_are_400_naming_the_header(site: Site):
+    r = chat(site, "hi", headers={"X-Appliance-Escalate": "sometimes"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "X-Appliance-Escalate" and err["code"] == "invalid_header"
+    r = chat(site, "hi", headers={"X-Appliance-Data": "secret"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Appliance-Data"
+
+
+def test_unknown_escalation_is_404_and_others_escalations_are_hidden(site: Site):
+    r = escalation(site, "esc-does-not-exist")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "escalation_not_found"
+    own = chat(site, f"mine {marker()}", tenant="lab").headers["x-appliance-escalation-id"]
+    assert escalation(site, own, key="lab").status_code == 200
+    assert escalation(site, own, key="default").status_code == 404  # another key's escalation
+    r = httpx.get(f"{site.url()}/v1/escalations", params={"limit": "many"},
+                  headers={"Authorization": f"Bearer {site.keys['admin']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    listed = httpx.get(f"{site.url()}/v1/escalations", headers={"Authorization": f"Bearer {site.keys['lab']}"}).json()
+    assert listed["data"] and all(e["key_id"] == listed["data"][0]["key_id"] for e in listed["data"])
+    assert "request" not in listed["data"][0]  # summaries only: no prompt text in lists
+
+
+def test_regional_garbage_or_500_falls_back_locally_and_keeps_the_escalation(site: Site):
+    for behaviour in ("garbage", "error500"):
+        site.recorder.behaviour = behaviour
+        m = marker()
+        r = chat(site, f"Hello {m}", headers=SYNC)
+        assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local", behaviour
+        assert r.headers["x-appliance-escalation"] == "queued"
+        esc_id = r.headers["x-appliance-escalation-id"]
+        site.recorder.behaviour = "normal"
+        done = wait_done(site, esc_id, timeout=90)  # retried with back-off once the regional side is sane
+        assert done["answer"]["model"] == REGIONAL_MODEL and site.recorder.applied[esc_id] == 1
+
+
+# -- link down ------------------------------------------------------------------------------------------
+
+
+def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
+    site.injector.set("blackhole")
+    ids, took = [], []
+    for i in range(6):
+        t = time.monotonic()
+        r = chat(site, f"Question {i} {marker()}", headers=SYNC, max_tokens=2)
+        took.append(time.monotonic() - t)
+        assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
+        assert r.headers["x-appliance-escalation"] == "queued"
+        ids.append(r.headers["x-appliance-escalation-id"])
+    # The first two wait for the read timeout (8 s) and open the breaker; the rest do not wait at all.
+    assert min(took[:2]) >= 7.5
+    assert max(took[3:]) < 5.0, took
+    status = httpx.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
+                       ).json()["cascade"]
+    assert status["link"]["breaker"] in ("open", "half_open") and status["outbox"]["depth"] >= 6
+    site.injector.set("pass")
+    for esc_id in ids:
+        wait_done(site, esc_id, timeout=90)
+        assert site.recorder.applied[esc_id] == 1
+    metrics = httpx.get(f"{site.url()}/metrics").text
+    assert 'appliance_cascade_requests_total{outcome="queued"}' in metrics
+    assert "appliance_outbox_oldest_age_seconds" in metrics and "appliance_regional_breaker_state" in metrics
+
+
+def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):
+    site.injector.set("cut")
+    r = chat(site, "Hello", model=REGIONAL_MODEL, headers={"X-Appliance-Escalate": "auto"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "regional_unavailable"
+    assert int(r.headers["retry-after"]) >= 1
+
+
+# -- the outbox bound and crash safety (last: it kills and restarts the edge appliance) -------------------
+
+
+def _queue_async(site: Site, n: int) -> list[httpx.Response]:
+    def one(i: int) -> httpx.Response:
+        return chat(site, f"Item {i} {marker()}", headers=ASYNC, max_tokens=1, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_outbox_bound_then_sigkill_mid_send_loses_nothing_and_applies_nothing_twice(site: Site):
+    wait_for(lambda: httpx.get(f"{site.url()}/v1/appliance/status",
+                               headers={"Authorization": f"Bearer {site.keys['admin']}"}
+                               ).json()["cascade"]["outbox"]["depth"] == 0, 120, what="an empty outbox")
+    site.injector.set("cut")
+    queued = _queue_async(site, OUTBOX_BOUND)
+    assert all(r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued" for r in queued)
+    ids = [r.headers["x-appliance-escalation-id"] for r in queued]
+    assert len(set(ids)) == OUTBOX_BOUND
+
+    # At the bound: the client still gets its local answer, told plainly that nothing was queued.
+    over = chat(site, f"One too many {marker()}", headers=ASYNC, max_tokens=1)
+    assert over.status_code == 200 and over.headers["x-appliance-answered-by"] == "local"
+    assert over.headers["x-appliance-escalation"] == "outbox-full" and "x-appliance-escalation-id" not in over.headers
+
+    # Let the forwarder start sending over a slow link, and kill the appliance mid-send.
+    site.injector.set("slow", delay_s=3.0)
+    wait_for(lambda: any(k in site.recorder.received for k in ids), 60, what="the forwarder to start sending")
+    in_flight = {k for k in ids if k in site.recorder.received}
+    site.edge.stop(signal.SIGKILL)
+    assert not any(site.recorder.applied[k] > 1 for k in ids)
+
+    site.injector.set("pass")
+    site.start_edge()  # same state directory: the outbox survives
+    wait_for(lambda: all(site.recorder.applied[k] == 1 for k in ids), 240, interval=1,
+             what="every escalation to be delivered after the restart")
+    for k in ids:
+        assert site.recorder.applied[k] == 1, k  # applied once on the regional side ...
+    assert any(site.recorder.received[k] >= 2 for k in in_flight)  # ... though the killed send was resent
+    site.edge.wait_ready()
+    for k in ids[:5]:
+        assert escalation(site, k).json()["status"] == "done"
