@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -411,6 +412,91 @@ def doctor_cmd(config_path: Path | None, as_json: bool, no_hash: bool, no_live: 
     else:
         click.echo(doctor.as_text(findings))
     sys.exit(1 if doctor.worst(findings) == "fail" else 0)
+
+
+@main.group("escalations")
+def escalations_group() -> None:
+    """The escalation outbox: list, show, retry failed ones, purge finished ones.
+
+    Works beside the running daemon (SQLite WAL); the daemon's forwarder picks up retried rows."""
+
+
+def _outbox(config_path: Path | None):
+    from appliance.escalation import OUTBOX_FILE, open_outbox
+
+    cfg = _load(config_path)
+    if not (cfg.state.directory / OUTBOX_FILE).exists():
+        click.echo(f"no escalation outbox yet at {cfg.state.directory / OUTBOX_FILE}", err=True)
+        sys.exit(0)
+    return open_outbox(cfg)
+
+
+@escalations_group.command("list")
+@config_option
+@click.option("--status", type=click.Choice(["queued", "sending", "done", "failed", "expired"]), default=None)
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def escalations_list(config_path: Path | None, status: str | None, limit: int, as_json: bool) -> None:
+    """Newest first, without prompt or answer text; a summary of the outbox at the end."""
+    box = _outbox(config_path)
+    rows = box.list(status, None, limit)
+    if as_json:
+        for e in rows:
+            click.echo(json.dumps(e.summary()))
+    else:
+        click.echo(f"{'id':40} {'status':8} {'tries':>5} {'sends':>5} {'age':>8}  reason")
+        now = time.time()
+        for e in rows:
+            click.echo(f"{e.id:40} {e.status:8} {e.attempts:>5} {e.sends:>5} {_age(now - e.created):>8}  "
+                       f"{e.reason[:60]}")
+    st = box.stats()
+    click.echo(f"outbox: {st['depth']} waiting (oldest {_age(st['oldest_age_s'])}), "
+               + ", ".join(f"{k} {v}" for k, v in st["counts"].items()), err=True)
+
+
+@escalations_group.command("show")
+@config_option
+@click.argument("esc_id")
+def escalations_show(config_path: Path | None, esc_id: str) -> None:
+    """One escalation in full: the request as sent over the link and the regional answer."""
+    e = _outbox(config_path).get(esc_id)
+    if e is None:
+        click.echo(f"error: no escalation with id {esc_id}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps({**e.summary(), "request": e.request, "answer": e.answer}, indent=2))
+
+
+@escalations_group.command("retry")
+@config_option
+@click.argument("ids", nargs=-1)
+@click.option("--all-failed", is_flag=True, help="Every failed or expired escalation.")
+def escalations_retry(config_path: Path | None, ids: tuple[str, ...], all_failed: bool) -> None:
+    """Put failed or expired escalations back in the queue."""
+    if not ids and not all_failed:
+        click.echo("error: name escalation ids or pass --all-failed", err=True)
+        sys.exit(EXIT_USAGE)
+    n = _outbox(config_path).retry(None if all_failed else ids)
+    click.echo(f"queued {n} escalation(s) again")
+    if ids and n < len(ids):
+        sys.exit(1)
+
+
+@escalations_group.command("purge")
+@config_option
+@click.option("--status", "statuses", multiple=True, default=("done",), show_default=True,
+              type=click.Choice(["done", "failed", "expired"]))
+@click.option("--older-than-days", type=click.FloatRange(0), default=0.0, show_default=True)
+def escalations_purge(config_path: Path | None, statuses: tuple[str, ...], older_than_days: float) -> None:
+    """Delete finished escalations (never waiting ones)."""
+    n = _outbox(config_path).purge(statuses, older_than_days * 86400)
+    click.echo(f"purged {n} escalation(s)")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 @main.command("requests")
