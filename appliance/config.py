@@ -231,6 +231,14 @@ class AdmissionSection(_Section):
         return self
 
 
+class KernelsSection(_Section):
+    """The native engine code every replica must load byte for byte (`appliance kernels lock`)."""
+
+    lock: Path | None = Field(default=None, description="The kernel lock file; unset: not checked.")
+    verify: Literal["fail", "warn", "off"] = Field(
+        default="warn", description="At start: refuse (fail, the packaged default) or log (warn) a mismatch.")
+
+
 class Config(_Section):
     model: ModelSection
     server: ServerSection = Field(default_factory=ServerSection)
@@ -241,6 +249,7 @@ class Config(_Section):
     policy: PolicySection = Field(default_factory=PolicySection)
     auth: AuthSection = Field(default_factory=AuthSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
 
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 
@@ -275,6 +284,7 @@ _PATH_FIELDS = {
     ("regional", "ca_bundle"),
     ("regional", "client_cert"),
     ("regional", "client_key"),
+    ("kernels", "lock"),
 }
 
 

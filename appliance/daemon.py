@@ -35,6 +35,7 @@ from appliance.metrics import Metrics
 from appliance.model_pin import ModelCheck
 from appliance.store import RequestLog
 from appliance.systemd import Notifier
+from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
 
 log = logging.getLogger("appliance")
@@ -59,14 +60,18 @@ EXIT_ENGINE_FAILED = 1
 
 
 class Daemon:
-    def __init__(self, cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None) -> None:
+    def __init__(self, cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
+                 kernel_check: KernelCheck | None = None) -> None:
         self.cfg = cfg
         self.site_plan = site_plan
         self.model_check = model_check
+        self.kernel_check = kernel_check
         self.request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
         self.metrics = Metrics()
         if model_check is not None:
             self.metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)
+        if kernel_check is not None:
+            self.metrics.kernels_info.labels(kernel_check.digest or "", str(kernel_check.ok).lower()).set(1)
         self.supervisor = EngineSupervisor(cfg, site_plan.plan.vllm_args)
         self.admission = self._admission_gate(cfg, site_plan)
         self.cascade = build_cascade(cfg, site_plan.plan.engine.max_model_len, self.metrics)
@@ -122,13 +127,17 @@ class Daemon:
                      "kv_tokens": p.capacity.tokens_reported if p.capacity else None,
                      "targets_met": p.targets_met},
             "devices": self.site_plan.discovery.as_dict(),
+            "kernels": {"lock": kc.lock_path, "digest": kc.digest, "matches_lock": kc.ok,
+                        "mismatches": [str(m).strip() for m in kc.mismatches[:50]], "error": kc.error}
+            if (kc := self.kernel_check) is not None else {"lock": None},
             "cascade": self.cascade.status() if self.cascade is not None else {"configured": False},
         }
 
     async def doctor(self) -> dict:
         """GET /v1/appliance/doctor: the setup checks (the model hashed at start, not again) and the
         recipes over the last half hour of engine samples."""
-        setup = await asyncio.to_thread(doctor.setup_checks, self.cfg, self.site_plan.discovery, self.model_check)
+        setup = await asyncio.to_thread(doctor.setup_checks, self.cfg, self.site_plan.discovery, self.model_check,
+                                        self.kernel_check)
         st = self.supervisor.status
         p = self.site_plan.plan
         live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
@@ -282,8 +291,9 @@ class Daemon:
             self.notifier.status(status)
 
 
-def serve(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None) -> int:
-    daemon = Daemon(cfg, site_plan, model_check)
+def serve(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
+          kernel_check: KernelCheck | None = None) -> int:
+    daemon = Daemon(cfg, site_plan, model_check, kernel_check)
     try:
         import uvloop
     except ImportError:  # uvloop is optional; asyncio's own loop works, a little slower

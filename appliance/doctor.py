@@ -23,6 +23,8 @@ import httpx
 from appliance.config import Config, check_runtime
 from appliance.engine_watch import EngineSample, Window
 from appliance.model_pin import ModelCheck
+from kernels import lock as kernel_lock
+from kernels.lock import KernelCheck
 from kvbudget.gpu import Discovery
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -134,8 +136,17 @@ def check_model(cfg: Config, model_check: ModelCheck | None) -> Finding:
     return Finding("model", "ok", model_check.describe())
 
 
-def check_kernels(cfg: Config) -> Finding:
-    return Finding("kernels", "skip", "no kernel lock is configured for this appliance")
+def check_kernels(cfg: Config, kernel_check: KernelCheck | None = None) -> Finding:
+    """The lock checked at start (daemon), or now (command line)."""
+    if cfg.kernels.lock is None:
+        return Finding("kernels", "skip", "no kernel lock is configured (kernels.lock)",
+                       "pin the engine's native code with `appliance kernels lock`")
+    kc = kernel_check or kernel_lock.check(cfg.kernels.lock, cfg.engine.python or None)
+    if kc.ok:
+        return Finding("kernels", "ok", kc.describe())
+    return Finding("kernels", "fail" if cfg.kernels.verify == "fail" or kc.error else "warn", kc.describe(),
+                   "reinstall the pinned engine packages (the fleet's repository or image), or re-lock with "
+                   "`appliance kernels lock` if the upgrade is intended; `appliance kernels verify` lists every file")
 
 
 def check_state(cfg: Config) -> list[Finding]:
@@ -207,8 +218,9 @@ def check_regional(cfg: Config, probe_timeout_s: float = 3.0) -> list[Finding]:
     return out
 
 
-def setup_checks(cfg: Config, discovery: Discovery, model_check: ModelCheck | None) -> list[Finding]:
-    return [*check_gpu(discovery, engine_build(cfg)), check_model(cfg, model_check), check_kernels(cfg),
+def setup_checks(cfg: Config, discovery: Discovery, model_check: ModelCheck | None,
+                 kernel_check: KernelCheck | None = None) -> list[Finding]:
+    return [*check_gpu(discovery, engine_build(cfg)), check_model(cfg, model_check), check_kernels(cfg, kernel_check),
             *check_state(cfg), *check_regional(cfg)]
 
 

@@ -89,6 +89,10 @@ class Metrics:
                                             registry=r)
         self.model_info = Gauge("appliance_model_info", "The served model's artifact digest (1 = this one)",
                                 ["model", "digest", "matches_pin"], registry=r)
+        self.kernels_info = Gauge("appliance_kernels_info", "The kernel lock's digest (1 = this one)",
+                                  ["digest", "matches_lock"], registry=r)
+        self.engine_info = Gauge("appliance_engine_attention_backend_info", "The attention backend the engine "
+                                 "chose (1 = this one)", ["backend"], registry=r)
         self.admission = Counter("appliance_admission_decisions", "Admission decisions by class and reason",
                                  ["class", "decision", "code"], registry=r)
         self.queue_depth = Gauge("appliance_admission_queue_depth", "Requests waiting for an engine slot",
@@ -128,6 +132,9 @@ class Metrics:
             self.in_flight.labels(cls).set(n)
 
     def observe_engine(self, st: EngineStatus) -> None:
+        if st.attention_backend:
+            self.engine_info.clear()
+            self.engine_info.labels(st.attention_backend).set(1)
         for s in EngineState:
             self.engine_up.labels(s.value).set(1 if s is st.state else 0)
         if st.restarts > self._restarts_seen:

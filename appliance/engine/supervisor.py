@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from appliance.config import Config
+from kernels.backend import BackendTracker
 from appliance.engine.args import EngineLaunch, build_launch, describe
 from appliance.engine.guard import EXIT_LINE_PREFIX
 
@@ -67,9 +68,11 @@ class EngineStatus:
     restarts: int = 0
     pid: int | None = None
     last_exit: str | None = None
+    attention_backend: str | None = None  # as the engine reported it at start (kernels/backend.py)
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "attention_backend": self.attention_backend,
             "state": self.state.value,
             "reason": self.reason,
             "since": self.since,
@@ -129,6 +132,7 @@ class EngineSupervisor:
         self.launch: EngineLaunch | None = None
         self.gave_up = asyncio.Event()
         self.last_lines: deque[str] = deque(maxlen=60)
+        self._backend = BackendTracker()
         self._guard_python = guard_python or sys.executable
         self._listeners: list[StateListener] = []
         self._proc: asyncio.subprocess.Process | None = None
@@ -224,6 +228,7 @@ class EngineSupervisor:
         self.launch = build_launch(self.cfg, self.engine_args, port, self.internal_key)
         self.last_lines.clear()
         self._engine_pgid = None
+        self._backend = BackendTracker()
         if first:
             await self._set(EngineState.STARTING, "loading model")
         else:
@@ -308,6 +313,8 @@ class EngineSupervisor:
             if not line:
                 continue
             self.last_lines.append(line)
+            self._backend.feed(line)
+            self.status.attention_backend = self._backend.backend
             m = _PGID_RE.search(line)
             if m:
                 self._engine_pgid = int(m.group(1))
