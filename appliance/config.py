@@ -151,7 +151,7 @@ class RegionalSection(_Section):
 class ThresholdsSection(_Section):
     """Escalate under `auto` when a signal is below its threshold (bench/cascade_eval.py chose the default)."""
 
-    quantile_logprob: float | None = -2.5
+    quantile_logprob: float | None = -1.6  # pooled 30% escalation point of bench/cascade_eval.py
     mean_logprob: float | None = None
     min_logprob: float | None = None
     neg_mean_entropy: float | None = None
@@ -376,6 +376,9 @@ def check_runtime(cfg: Config) -> list[str]:
         problems.append(f"model.path {mp} has no config.json: not a Hugging Face model folder")
     elif not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
         problems.append(f"model.path {mp} has no weight files (*.safetensors or *.bin)")
+    if cfg.engine.python and not os.access(cfg.engine.python, os.X_OK):
+        problems.append(f"engine.python {cfg.engine.python} is not an executable interpreter: install the "
+                        "engine's environment there (the fleet's vLLM) or leave engine.python unset")
     if cfg.regional.enabled and cfg.regional.token_file is not None:
         from cascade.regional import TokenFileError, read_token
 

@@ -44,16 +44,35 @@ else
     pip_q uninstall -y torchvision torchaudio torchcodec
 fi
 
+apt_install() {  # apt_install WHY PACKAGE...: Debian packages, when this runs as root with apt
+    local why=$1; shift
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing $* ($why)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; } >>"$LOG" 2>&1 \
+            || { tail -n 20 "$LOG" >&2; say "apt-get failed; full log in $LOG"; exit 1; }
+        return 0
+    fi
+    return 1
+}
+
 # systemd-python (the notify protocol, the journal) builds against libsystemd's headers.
 if ! pkg-config --exists libsystemd 2>/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing libsystemd-dev and pkg-config (systemd-python builds against them)"
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsystemd-dev pkg-config; } >>"$LOG" 2>&1 \
-            || { tail -n 20 "$LOG" >&2; say "apt-get failed; full log in $LOG"; exit 1; }
-    else
+    apt_install "systemd-python builds against them" libsystemd-dev pkg-config || {
         say "systemd-python needs libsystemd's headers: install libsystemd-dev and pkg-config (Debian/Ubuntu) or systemd-devel (Fedora/RHEL), then run this again"
         exit 2
-    fi
+    }
+fi
+
+# The packaging tests build and check the RPM and the OCI image with these (no container daemon needed).
+missing=()
+for tool in rpmbuild:rpm rpmlint:rpmlint buildah:buildah podman:podman umoci:umoci oci-image-tool:oci-image-tool \
+            debootstrap:debootstrap runc:runc; do
+    command -v "${tool%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${tool%%:*}" ] || missing+=("${tool#*:}")
+done
+python3 -c 'import packaging' 2>/dev/null || missing+=(python3-packaging)  # rpm's python dependency generator
+if [ ${#missing[@]} -gt 0 ]; then
+    apt_install "the packaging tests use them" "${missing[@]}" \
+        || say "packaging tools missing (${missing[*]}): the packaging tests will be skipped"
 fi
 
 say "installing the appliance (editable) with its test and model-conversion extras"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build the RPM: the appliance's wheel, then rpmbuild in a scratch top directory.
+#   packaging/rpm/build.sh [OUTPUT_DIR]      (default: dist/rpm)
+# Needs: rpmbuild (Debian: rpm), python3-packaging (rpm's python dependency generator), and the
+# project's virtual environment (make setup) to build the wheel.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+out="$(mkdir -p "${1:-$repo/dist/rpm}" && cd "${1:-$repo/dist/rpm}" && pwd)"
+py="${PYTHON:-$repo/.venv/bin/python}"
+version="$("$py" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$repo/pyproject.toml")"
+
+top="$(mktemp -d)"
+trap 'rm -rf "$top"' EXIT
+mkdir -p "$top"/{SOURCES,SPECS,BUILD,RPMS,SRPMS,BUILDROOT}
+"$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$top/SOURCES" "$repo"
+cp "$repo"/systemd/appliance.service "$repo"/systemd/appliance.sysusers.conf "$repo"/systemd/appliance.tmpfiles.conf \
+   "$repo"/systemd/90-appliance.preset "$repo"/packaging/appliance.toml "$repo"/README.md "$top/SOURCES/"
+cp "$here/edge-appliance.spec" "$top/SPECS/"
+rpmbuild -bb --quiet --define "_topdir $top" --define "appliance_version $version" \
+    "$top/SPECS/edge-appliance.spec"
+find "$top/RPMS" -name '*.rpm' -exec cp {} "$out/" \;
+ls "$out"/*.rpm
