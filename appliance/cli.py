@@ -425,6 +425,67 @@ def doctor_cmd(config_path: Path | None, as_json: bool, no_hash: bool, no_live: 
     sys.exit(1 if doctor.worst(findings) == "fail" else 0)
 
 
+@main.command("init")
+@click.option("--site-name", prompt="Site name (shown to the fleet)", help="This site's name.")
+@click.option("--model-path", prompt="Model folder (a local Hugging Face folder)",
+              type=click.Path(file_okay=False, path_type=Path), help="The served model's folder.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address the API listens on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--regional-url", prompt="Regional cluster URL (ending in /v1; empty: none)", default="",
+              help="The regional OpenAI-compatible endpoint; empty: no escalation.")
+@click.option("--regional-model", default="", help="The regional model escalations go to.")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="File holding the regional bearer token (mode 0600).")
+@click.option("--token-stdin", is_flag=True, help="Read the regional token from standard input and write it to "
+                                                  "--token-file (mode 0600, owned by the service user).")
+@click.option("--escalate", type=click.Choice(["never", "auto", "always"]), default="auto", show_default=True,
+              help="Default escalation policy when a regional cluster is configured.")
+@click.option("--engine-python", default=None, help="The engine environment's interpreter (default: packaged).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--kernel-lock", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              default=config_mod.DEFAULT_CONFIG_PATH, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing configuration.")
+def init_cmd(site_name: str, model_path: Path, host: str, port: int, regional_url: str, regional_model: str,
+             token_file: Path | None, token_stdin: bool, escalate: str, engine_python: str | None,
+             state_dir: Path | None, kernel_lock: Path | None, output: Path, force: bool) -> None:
+    """Write this site's configuration from a few answers (prompted for when not given), with secure
+    permissions; then `systemctl enable --now appliance`."""
+    from appliance import site_init
+
+    if output.exists() and not force:
+        click.echo(f"error: {output} exists; pass --force to replace it", err=True)
+        sys.exit(EXIT_USAGE)
+    if regional_url and not regional_model:
+        click.echo("error: --regional-model is required with --regional-url", err=True)
+        sys.exit(EXIT_USAGE)
+    if token_stdin:
+        if token_file is None:
+            click.echo("error: --token-stdin needs --token-file (where to keep the token)", err=True)
+            sys.exit(EXIT_USAGE)
+        token = sys.stdin.readline().strip()
+        if not token:
+            click.echo("error: no token on standard input", err=True)
+            sys.exit(EXIT_USAGE)
+        site_init.write_private(token_file, token + "\n", 0o600, owner_is_service=True)
+    answers = site_init.Answers(site_name=site_name, model_path=model_path.resolve(), host=host, port=port,
+                                regional_url=regional_url, regional_model=regional_model,
+                                token_file=token_file.resolve() if token_file else None, escalate=escalate,
+                                engine_python=engine_python, state_dir=state_dir.resolve() if state_dir else None,
+                                kernel_lock=kernel_lock.resolve() if kernel_lock else None)
+    try:
+        text = site_init.render(answers)
+    except config_mod.ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    site_init.write_private(output, text, 0o640, owner_is_service=False)
+    cfg = config_mod.load(output)
+    click.echo(f"wrote {output} (mode 0640)")
+    for problem in config_mod.check_runtime(cfg):
+        click.echo(f"note: {problem}", err=True)
+    click.echo("next: appliance doctor; systemctl enable --now appliance", err=True)
+
+
 @main.group("kernels")
 def kernels_group() -> None:
     """The engine's native code: lock it, verify it, describe it as an SBOM."""

@@ -41,6 +41,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class SiteSection(_Section):
+    """Who this box is: shown in /v1/appliance/status and the metrics, so a fleet can tell sites apart."""
+
+    name: str = Field(default="", max_length=128)
+
+
 class ModelSection(_Section):
     path: Path = Field(description="Local folder of the HF model (config.json, tokenizer, safetensors).")
     served_name: str = Field(default="", description="Model id clients send; default: the folder name.")
@@ -240,6 +246,7 @@ class KernelsSection(_Section):
 
 
 class Config(_Section):
+    site: SiteSection = Field(default_factory=SiteSection)
     model: ModelSection
     server: ServerSection = Field(default_factory=ServerSection)
     state: StateSection = Field(default_factory=StateSection)

@@ -113,6 +113,7 @@ class Daemon:
         mc = self.model_check
         p = self.site_plan.plan
         return {
+            "site": self.cfg.site.name,
             "version": __version__,
             "engine": self.supervisor.status.as_dict(),
             "model": {
