@@ -122,6 +122,8 @@ def test_the_readme_example_is_a_valid_configuration():
     block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     cfg = config.parse(block, source="README.md")
     assert cfg.served_name == "smollm2-135m-instruct" and cfg.targets.workload == "chat"
+    assert cfg.policy.tenants["clinic"].local_only and cfg.policy.thresholds.quantile_logprob == -1.6
+    assert cfg.admission.classes["gold"].reserved_share == 0.25 and cfg.kernels.verify == "warn"
 
 
 def test_runtime_check_accepts_a_state_directory_it_will_create(tmp_path: Path):
