@@ -64,8 +64,13 @@ def serve(config_path: Path | None, log_level: str) -> None:
     if cfg.model.verify != "off":
         from appliance import model_pin
 
-        with model_pin.progress_bar(cfg.model.path, "verifying model") as bar:
-            model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+        try:
+            with model_pin.progress_bar(cfg.model.path, "verifying model") as bar:
+                model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+        except OSError as e:
+            click.echo(f"error: cannot read the model folder {cfg.model.path}: {e.strerror}: {e.filename}; the "
+                       "service user must be able to read every file in it", err=True)
+            sys.exit(EXIT_USAGE)
         if not model_check.ok and cfg.model.verify == "fail":
             click.echo(f"error: {model_check.describe()}; refusing to start (model.verify = \"fail\")", err=True)
             sys.exit(EXIT_USAGE)
@@ -372,6 +377,9 @@ def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str |
     except ValueError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)
+    except OSError as e:
+        click.echo(f"error: cannot read {e.filename}: {e.strerror}", err=True)
+        sys.exit(EXIT_USAGE)
     if result.pinned is None:
         click.echo(f"error: {result.describe()}", err=True)
         sys.exit(EXIT_USAGE)
@@ -399,10 +407,17 @@ def doctor_cmd(config_path: Path | None, as_json: bool, no_hash: bool, no_live: 
 
     cfg = _load(config_path)
     model_check = None
+    unreadable = None
     if not no_hash and cfg.model.path.is_dir():
-        with model_pin.progress_bar(cfg.model.path, "hashing model") as bar:
-            model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+        try:
+            with model_pin.progress_bar(cfg.model.path, "hashing model") as bar:
+                model_check = model_pin.check(cfg.model.path, cfg.model.digest or None, bar.update)
+        except OSError as e:
+            unreadable = doctor.Finding("model", "fail", f"cannot read {e.filename}: {e.strerror}",
+                                        "the service user must be able to read every file of the model folder")
     findings = doctor.setup_checks(cfg, discover(), model_check)
+    if unreadable is not None:
+        findings = [unreadable if f.check == "model" else f for f in findings]
     if not no_live:
         host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
         url = f"http://{'[' + host + ']' if ':' in host else host}:{cfg.server.port}/v1/appliance/doctor"

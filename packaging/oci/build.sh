@@ -6,8 +6,9 @@
 # WORKDIR holds buildah's storage (WORKDIR/storage, WORKDIR/run), the build context and the exported
 # OCI layout (WORKDIR/oci). The base is a Debian bookworm minbase made once with debootstrap and
 # imported (no registry is reachable). The image's Python environment is this project's tested engine
-# environment (its site-packages copied, not downloaded again: the kernel lock written inside the image
-# then matches the host's file for file) plus the appliance's own wheel. The embedded default model is
+# environment (its site-packages copied, not downloaded again) plus the appliance's own wheel; the kernel
+# lock and the SBOM are written from that copy here, and the build verifies the image's files against
+# the lock before committing it. The embedded default model is
 # baked in and pinned by its digest.
 # Env: PYTHON (the project's venv python), MODEL (model folder; default: the converted embedded model).
 set -euo pipefail
@@ -39,44 +40,44 @@ fi
 
 say "preparing the build context"
 ctx="$work/context"
-rm -rf "$ctx" && mkdir -p "$ctx/appliance" "$ctx/site-packages"
-site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-# the engine environment, without this checkout's editable install and without byte-code caches
-tar -C "$site" --exclude='__editable__*' --exclude='edge_appliance*' --exclude='__pycache__' -cf - . \
-    | tar -C "$ctx/site-packages" -xf -
+rm -rf "$ctx" && mkdir -p "$ctx/appliance" "$ctx/venv"
+prefix="$("$py" -c 'import sys; print(sys.prefix)')"
+# The engine environment as installed: site-packages and the files packages put beside it (intel-openmp's
+# libraries in lib/, for one); without its scripts (their #! names this host's interpreter), this
+# checkout's editable install and byte-code caches.
+tar -C "$prefix" --exclude=./bin --exclude=./pyvenv.cfg --exclude=./lib64 --exclude=./.setup-stamp \
+    --exclude='__editable__*' --exclude='edge_appliance*' --exclude='__pycache__' -cf - . \
+    | tar -C "$ctx/venv" -xf -
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/wheel" "$repo"
 "$py" -m zipfile -e "$work/wheel"/edge_appliance-"$version"-py3-none-any.whl "$ctx/appliance"
 model="${MODEL:-$("$py" -c 'from appliance.default_model import default_model_dir; print(default_model_dir())')}"
 cp -r "$model" "$ctx/model"
 rm -f "$ctx/model/appliance-manifest.json"
+# root owns the files in the image and the service runs as `appliance`: everything it loads is world-readable
+chmod -R a+rX "$ctx/model" "$ctx/venv" "$ctx/appliance"
 digest="$("$py" -c 'import sys; from kernels.manifest import build; print(build(sys.argv[1]).digest)' "$ctx/model")"
 sed "s|@MODEL_DIGEST@|$digest|" "$here/image.toml" >"$ctx/image.toml"
 cp "$here/Containerfile" "$ctx/"
 
-say "building $tag"
-"${bh[@]}" bud --quiet --isolation chroot --layers=false --build-arg BASE="$base" -t "$tag.unlabelled" \
-    -f "$ctx/Containerfile" "$ctx" >/dev/null
+say "locking the environment's kernels and writing the SBOM"
+"$py" -m appliance.cli kernels lock --lock "$ctx/kernel-lock.json" \
+    --site-dir "$ctx/venv/lib/python3.11/site-packages" >/dev/null
+"$py" -m appliance.cli kernels sbom --lock "$ctx/kernel-lock.json" -o "$ctx/sbom.cdx.json"
+lock_digest="$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["digest"])' "$ctx/kernel-lock.json")"
+sbom_digest="sha256:$(sha256sum "$ctx/sbom.cdx.json" | cut -d' ' -f1)"
 
-say "labelling: version, model digest, kernel lock digest, SBOM"
-ctr=$("${bh[@]}" from "$tag.unlabelled")
-sbom_file="$work/sbom.cdx.json"
-"${bh[@]}" run --isolation chroot "$ctr" -- cat /usr/share/edge-appliance/sbom.cdx.json >"$sbom_file"
-lock_digest=$("${bh[@]}" run --isolation chroot "$ctr" -- /opt/appliance/bin/python -c \
-    'import json; print(json.load(open("/etc/appliance/kernel-lock.json"))["digest"])')
-sbom_digest="sha256:$(sha256sum "$sbom_file" | cut -d' ' -f1)"
-sbom_label="$(gzip -9c "$sbom_file" | base64 -w0)"
-"${bh[@]}" config \
+say "building $tag"
+"${bh[@]}" rmi -f "$tag" "$tag.unlabelled" >/dev/null 2>&1 || true  # a rebuild replaces, not accumulates
+"${bh[@]}" bud --quiet --isolation chroot --layers=false --build-arg BASE="$base" -t "$tag" \
     --label org.opencontainers.image.title=edge-appliance \
     --label org.opencontainers.image.version="$version" \
     --label io.edge-appliance.model.digest="$digest" \
     --label io.edge-appliance.kernel-lock.digest="$lock_digest" \
     --label io.edge-appliance.sbom.path=/usr/share/edge-appliance/sbom.cdx.json \
     --label io.edge-appliance.sbom.digest="$sbom_digest" \
-    --label io.edge-appliance.sbom.cdx-json-gzip-base64="$sbom_label" \
-    "$ctr"
-"${bh[@]}" commit --quiet "$ctr" "$tag" >/dev/null
-"${bh[@]}" rm "$ctr" >/dev/null
-"${bh[@]}" rmi "$tag.unlabelled" >/dev/null
+    --label io.edge-appliance.sbom.cdx-json-gzip-base64="$(gzip -9c "$ctx/sbom.cdx.json" | base64 -w0)" \
+    -f "$ctx/Containerfile" "$ctx" >/dev/null
+rm -rf "$ctx"
 
 say "exporting the OCI layout to $work/oci"
 rm -rf "$work/oci"

@@ -91,3 +91,33 @@ def test_digest_must_look_like_one(tmp_path):
     cfg.write_text('[model]\npath = "/m"\ndigest = "md5:abc"\n')
     r = appliance("config", "check", "--config", str(cfg))
     assert r.returncode == 2 and "model.digest" in r.stderr
+
+
+
+def test_an_unreadable_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch):
+    # Root reads any file here, so the read failure is injected where hashing opens the file.
+    import json
+
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+    from kernels import manifest
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    cfg = tmp_path / "appliance.toml"
+    cfg.write_text(f'[model]\npath = "{model}"\nverify = "fail"\n[state]\ndirectory = "{tmp_path / "s"}"\n'
+                   '[server]\nport = 1\n')
+
+    def denied(path, progress=None):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(manifest, "hash_file", denied)
+    r = CliRunner().invoke(main, ["model", "verify", "--config", str(cfg)])
+    assert r.exit_code == 2  # a clear error, not a traceback (CliRunner would show exit 1 and the exception)
+    assert "cannot read" in r.output and "Permission denied" in r.output
+    r = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--json", "--no-live"])
+    model_finding = next(f for f in json.loads(r.output)["findings"] if f["check"] == "model")
+    assert r.exit_code == 1 and model_finding["status"] == "fail" and "cannot read" in model_finding["summary"]
