@@ -16,9 +16,10 @@ pooled:
   against random escalation at the same rate (which recovers X%);
 * the threshold of each signal at a 30% escalation rate: the README's default comes from this run.
 
-The tasks are ones the 135M model gets right part of the time (ENGINE-NOTES.md: on ARC-Easy it is at
-chance and so are its signals): SciQ with its support passage and the options named, BoolQ with its
-passage, and TriviaQA without context (mostly wrong: the case the cascade exists for).
+The default tasks are ones the 135M model gets right part of the time (ENGINE-NOTES.md: on ARC-Easy it
+is at chance and so are its signals): SciQ with its support passage and the options named, BoolQ with
+its passage, and TriviaQA without context (mostly wrong: the case the cascade exists for).
+`--tasks arc_easy,...` adds ARC-Easy (options named, answered in words).
 """
 
 from __future__ import annotations
@@ -90,6 +91,16 @@ def load(task: str, n: int, rng: random.Random) -> list[Item]:
             items.append(Item(task, f"{ctx}Question: {r['question']}\nOptions: {', '.join(opts)}\n"
                                     "Answer with one of the options.",
                               (r["correct_answer"],), (r["distractor1"], r["distractor2"], r["distractor3"])))
+        return items
+    if task == "arc_easy":
+        # Named by the issue; at chance for this model (ENGINE-NOTES.md), so not in the default set.
+        rows = rng.sample(_table("ai2_arc/ARC-Easy/validation"), min(n, 570))
+        items = []
+        for r in rows:
+            texts, labels = r["choices"]["text"], r["choices"]["label"]
+            right = texts[labels.index(r["answerKey"])]
+            items.append(Item(task, f"Question: {r['question']}\nOptions: {', '.join(texts)}\n"
+                                    "Answer with one of the options.", (right,), tuple(t for t in texts if t != right)))
         return items
     if task == "boolq":
         rows = rng.sample(_table("boolq/none/validation"), n)
@@ -203,7 +214,7 @@ async def run(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=300, help="questions per task")
-    ap.add_argument("--tasks", default="sciq,boolq,triviaqa")
+    ap.add_argument("--tasks", default="sciq,boolq,triviaqa", help="also: arc_easy")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     asyncio.run(run(ap.parse_args()))

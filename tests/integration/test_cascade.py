@@ -321,6 +321,23 @@ def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):
     assert int(r.headers["retry-after"]) >= 1
 
 
+# -- self-healing: the regional cluster answers while the local engine restarts --------------------------
+
+
+def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
+    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 200, 300, what="a ready edge")
+    for p in site.edge.engine_processes():
+        p.kill()  # the engine dies; the supervisor restarts it (tens of seconds on the CPU engine)
+    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 503, 30, what="the edge to notice")
+    r = chat(site, f"While down {marker()}", headers={"X-Appliance-Escalate": "auto"})
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.text
+    assert r.headers["x-appliance-escalation-reason"] == "the local engine is not ready"
+    never = chat(site, "No escalation for me")  # policy default never: the honest 503
+    assert never.status_code == 503 and never.json()["error"]["code"] == "engine_not_ready"
+    assert int(never.headers["retry-after"]) >= 1
+    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 200, 300, what="the engine to be back")
+
+
 # -- the outbox bound and crash safety (last: it kills and restarts the edge appliance) -------------------
 
 

@@ -61,12 +61,19 @@ class Image:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory) -> Image:
-    work = Path(os.environ.get("APPLIANCE_OCI_WORKDIR") or tmp_path_factory.mktemp("oci"))
-    r = subprocess.run([str(REPO / "packaging/oci/build.sh"), str(work)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": sys.executable}, timeout=1800)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return Image(work, r.stdout.strip().splitlines()[-1])
+def image(tmp_path_factory):
+    keep = os.environ.get("APPLIANCE_OCI_WORKDIR")
+    work = Path(keep or tmp_path_factory.mktemp("oci"))
+    try:
+        r = subprocess.run([str(REPO / "packaging/oci/build.sh"), str(work)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHON": sys.executable}, timeout=1800)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        yield Image(work, r.stdout.strip().splitlines()[-1])
+    finally:
+        if not keep:  # several GB of vfs layers: not left behind in pytest's temporary folders
+            subprocess.run(["buildah", "--root", str(work / "storage"), "--runroot", str(work / "run"),
+                            "--storage-driver", "vfs", "rmi", "--all", "--force"], capture_output=True)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def test_image_validates_and_carries_its_labels(image: Image):
@@ -99,6 +106,7 @@ def test_umoci_unpacks_the_pinned_model_lock_and_sbom(image: Image, tmp_path: Pa
     sbom = (root / "usr/share/edge-appliance/sbom.cdx.json").read_bytes()
     assert "sha256:" + hashlib.sha256(sbom).hexdigest() == labels["io.edge-appliance.sbom.digest"]
     assert (root / "opt/models/default/config.json").is_file()
+    shutil.rmtree(bundle, ignore_errors=True)
 
 
 def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: Path):
@@ -111,7 +119,7 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: 
     conf = tmp_path / "appliance.toml"
     conf.write_text(_image_config_with_port(image, port))
     name = f"appliance-test-{port}"
-    r = image.run("-d", "--name", name, "--network", "host", "-v", f"{state}:/var/lib/appliance",
+    r = image.run("-d", "--name", name, "--network", "host", "--shm-size", "1g", "-v", f"{state}:/var/lib/appliance",
                      "-v", f"{conf}:/etc/appliance/appliance.toml:ro", image.tag, timeout=600)
     assert r.returncode == 0, r.stderr
     try:
