@@ -175,8 +175,9 @@ class EngineProxy:
             id=rid, ts=time.time(), route=route, model=parsed.model, status=0, stream=stream, key_id=key_id, extra=extra,
             prompt=_prompt_text(body) if self.request_log and self.request_log.keep_text else None,
         )
-        job = _Job(rec=rec, t0=t0, body=body, stream=stream, client_wants_usage=client_wants_usage,
-                   cls=cls, tenant=key.tenant if key else None, decision=decision)
+        job = _Job(rec=rec, t0=t0, body=body, original=dict(body), stream=stream,
+                   client_wants_usage=client_wants_usage, cls=cls, tenant=key.tenant if key else None,
+                   decision=decision)
         if base is None:
             return await self._answer_regionally(request, job, base)
         if decision is not None and decision.action == "escalate_now":
@@ -218,7 +219,7 @@ class EngineProxy:
         assert self.cascade is not None
         key_id = job.rec.key_id
         return await self.cascade.escalate(
-            job.rec.route, job.body, sync=sync, priority_class=job.cls, tenant=job.tenant, key_id=key_id,
+            job.rec.route, job.original, sync=sync, priority_class=job.cls, tenant=job.tenant, key_id=key_id,
             reason=reason, keep_model=job.rec.model != self.settings.served_name)
 
     async def _answer_regionally(self, request: Request, job: "_Job", base: str | None) -> Response:
@@ -514,7 +515,8 @@ class _Job:
 
     rec: RequestRecord
     t0: float
-    body: dict
+    body: dict  # what goes to the engine (the gateway adds usage and log-probability requests) ...
+    original: dict  # ... and what the client sent, which is what an escalation forwards
     stream: bool
     client_wants_usage: bool
     cls: str

@@ -228,6 +228,7 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     esc_id = r.headers["x-appliance-escalation-id"]
     wait_done(site, esc_id)
     assert site.recorder.applied[esc_id] == 1 and site.recorder.bodies_with(doubt)
+    assert site.recorder.bodies_with(doubt)[0]["logprobs"] == 2  # the client's request, not the judge's
     assert site.recorder.bodies_with(sure) == []
 
 
@@ -245,6 +246,8 @@ def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: 
     assert chunks and all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
     assert lines.index(comments[0]) < lines.index("data: [DONE]")
     wait_done(site, esc_id)
+    sent = site.recorder.bodies_with(m)[0]
+    assert "logprobs" not in sent and "stream" not in sent  # forwarded as the client asked, non-streamed
 
 
 # -- bad input ------------------------------------------------------------------------------------------
