@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import glob
 import random
-import re
 import string
 import sys
 import tempfile
