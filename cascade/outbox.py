@@ -110,16 +110,15 @@ class Outbox:
     # -- writing --------------------------------------------------------------------------------
 
     def put(self, route: str, request: dict[str, Any], *, priority_class: str = "silver", tenant: str | None = None,
-            key_id: str | None = None, reason: str = "", esc_id: str | None = None,
-            status: Status = "queued") -> Escalation:
+            key_id: str | None = None, reason: str = "") -> Escalation:
         """Store a new escalation durably; OutboxFull when max_pending are already waiting."""
         now = self.clock()
-        row = {"id": esc_id or new_id(), "created": now, "status": status, "route": route,
+        row = {"id": new_id(), "created": now, "status": "queued", "route": route,
                "request": json.dumps(request), "priority": PRIORITY.get(priority_class, 1), "tenant": tenant,
                "key_id": key_id, "reason": reason, "attempts": 0, "next_attempt": now, "last_error": None,
                "answer": None, "delivered": None, "sends": 0}
         with self._lock, self.db.atomic():
-            if status in PENDING and self._pending() >= self.max_pending:
+            if self._pending() >= self.max_pending:
                 raise OutboxFull(f"the escalation outbox holds {self.max_pending} waiting escalations "
                                  "(policy.outbox_max_pending)")
             self.db["escalations"].insert(row)

@@ -32,6 +32,15 @@ def default_model_path() -> Path:
     return path
 
 
+def model_folder(parent: Path) -> Path:
+    """What check_runtime looks for, and no more: a folder with config.json and a weights file."""
+    folder = parent / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    return folder
+
+
 def shared_engine_cache() -> Path:
     """vLLM's compile cache, kept between runs so only the first run pays for compilation."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

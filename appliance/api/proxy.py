@@ -159,7 +159,8 @@ class EngineProxy:
         try:
             body = await self.read_json(request)
             parsed = validate_body(schema, body)
-            decision = self._decide(request, parsed, body, key)
+            prompt_tokens, max_tokens = _estimate_tokens(body), _max_tokens(parsed)
+            decision = self._decide(request, parsed.model, prompt_tokens, max_tokens, key)
             self.check_model(parsed.model, decision)
             base = self._engine_or_regional(decision)
         except ApiError as e:
@@ -177,7 +178,7 @@ class EngineProxy:
         )
         job = _Job(rec=rec, t0=t0, body=body, original=dict(body), stream=stream,
                    client_wants_usage=client_wants_usage, cls=cls, tenant=key.tenant if key else None,
-                   decision=decision)
+                   decision=decision, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
         if base is None:
             return await self._answer_regionally(request, job, base)
         if decision is not None and decision.action == "escalate_now":
@@ -191,7 +192,8 @@ class EngineProxy:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
 
-    def _decide(self, request: Request, parsed: Any, body: dict, key: Any) -> Decision | None:
+    def _decide(self, request: Request, model: str, prompt_tokens: int, max_tokens: int | None,
+                key: Any) -> Decision | None:
         if self.cascade is None:
             return None
         try:
@@ -199,9 +201,9 @@ class EngineProxy:
         except PolicyError as e:
             raise ApiError(400, str(e), code="invalid_header", param=e.param) from None
         return self.cascade.decide(RequestFacts(
-            model=parsed.model, tenant=key.tenant if key else None, header_escalate=header_escalate,
-            header_mode=header_mode, local_only_header=local_only, prompt_tokens=_estimate_tokens(body),
-            max_tokens=_max_tokens(parsed)))
+            model=model, tenant=key.tenant if key else None, header_escalate=header_escalate,
+            header_mode=header_mode, local_only_header=local_only, prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens))
 
     def _engine_or_regional(self, decision: Decision | None) -> str | None:
         """The engine's address; None when the answer comes from the regional cluster instead (a model
@@ -259,8 +261,7 @@ class EngineProxy:
             opts["include_usage"] = True
             body["stream_options"] = opts
         try:
-            ticket = await self._admit(request, AdmissionRequest(job.cls, _estimate_tokens(body),
-                                                                 body.get("max_completion_tokens") or body.get("max_tokens")))
+            ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens))
         except ApiError as e:
             rec.status, rec.error_code = e.status, e.code
             self._record(rec, job.t0)
@@ -329,11 +330,9 @@ class EngineProxy:
             return self._finish_plain(rec, t0, upstream.status_code, content, headers)
 
         rec.status = 200
-        prompt_estimate = _estimate_tokens(body)
-
         def first_token() -> None:
             if self.admission is not None:
-                self.admission.observe_prefill(prompt_estimate, time.perf_counter() - admitted)
+                self.admission.observe_prefill(job.prompt_tokens, time.perf_counter() - admitted)
 
         async def on_close() -> None:
             # Runs however the response ends, even when the client left before the relay started
@@ -522,6 +521,8 @@ class _Job:
     cls: str
     tenant: str | None
     decision: Decision | None
+    prompt_tokens: int  # estimated once (see _estimate_tokens) for the policy, admission and prefill speed
+    max_tokens: int | None
     judge: bool = False  # auto policy: judge the local answer's confidence
     client_wants_logprobs: bool = False
     escalation: EscalationResult | None = None

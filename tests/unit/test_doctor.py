@@ -18,16 +18,8 @@ from appliance.cli import main
 from appliance.config import parse
 from appliance.engine_watch import EngineSample, parse_sample
 from kvbudget.gpu import Discovery
+from tests.support import model_folder
 
-
-
-def model_folder(tmp_path: Path) -> Path:
-    """What check_runtime looks for: a folder with config.json and a weights file."""
-    folder = tmp_path / "model"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"\0" * 16)
-    return folder
 
 
 def samples(n: int = 11, step: float = 30.0, **ramps: tuple[float, float]) -> list[EngineSample]:

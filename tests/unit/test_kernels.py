@@ -15,7 +15,7 @@ from appliance.cli import main
 from kernels import lock as kernel_lock
 from kernels import sbom
 from kernels.backend import BackendTracker
-from tests.support import REPO
+from tests.support import REPO, model_folder
 
 
 def fake_site(root: Path) -> Path:
@@ -127,10 +127,7 @@ def test_serve_refuses_a_mismatched_lock_when_fail_closed(tmp_path: Path):
     site = fake_site(tmp_path)
     lock = tmp_path / "kernel-lock.json"
     kernel_lock.write(lock, paths=[str(site)])  # a lock of other kernels than this environment's
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    model = model_folder(tmp_path)
     cfg = tmp_path / "appliance.toml"
     cfg.write_text(f'[model]\npath = "{model}"\nverify = "off"\n[state]\ndirectory = "{tmp_path / "s"}"\n'
                    f'[kernels]\nlock = "{lock}"\nverify = "fail"\n')

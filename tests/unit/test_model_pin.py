@@ -103,10 +103,9 @@ def test_an_unreadable_model_file_is_a_clear_error_not_a_traceback(tmp_path, mon
     from appliance.cli import main
     from kernels import manifest
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    from tests.support import model_folder
+
+    model = model_folder(tmp_path)
     cfg = tmp_path / "appliance.toml"
     cfg.write_text(f'[model]\npath = "{model}"\nverify = "fail"\n[state]\ndirectory = "{tmp_path / "s"}"\n'
                    '[server]\nport = 1\n')
