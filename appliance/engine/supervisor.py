@@ -141,6 +141,7 @@ class EngineSupervisor:
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._failures: deque[float] = deque()
+        self._relaunch_reason: str | None = None
 
     # -- public surface -------------------------------------------------------------------
 
@@ -178,6 +179,19 @@ class EngineSupervisor:
             gave_up.cancel()
         return self.ready
 
+    async def relaunch(self, engine_args: Sequence[str], reason: str) -> None:
+        """Stop the engine and start it again with new arguments: a decision, not a failure.
+
+        It neither counts towards giving up nor waits out a back-off; requests meanwhile get 503
+        with Retry-After, as during any restart.
+        """
+        self.engine_args = list(engine_args)
+        self._relaunch_reason = reason
+        log.warning("relaunching the engine: %s", reason)
+        # Not ready from now on: new requests get 503 rather than an engine that is shutting down.
+        await self._set(EngineState.RESTARTING, f"relaunching: {reason}")
+        await self._terminate()
+
     async def stop(self) -> None:
         self._stopping.set()
         await self._set(EngineState.STOPPING, "appliance is stopping")
@@ -199,6 +213,10 @@ class EngineSupervisor:
             first = False
             if self._stopping.is_set():
                 return
+            if self._relaunch_reason is not None:
+                why, self._relaunch_reason = self._relaunch_reason, None
+                await self._set(EngineState.RESTARTING, f"relaunching: {why}")
+                continue
             self.status.last_exit = reason
             now = time.monotonic()
             self._failures.append(now)
@@ -224,6 +242,7 @@ class EngineSupervisor:
             backoff = min(backoff * 2, self.cfg.engine.restart_backoff_max_s)
 
     async def _one_attempt(self, first: bool) -> str:
+        self._relaunch_reason = None  # asked for between attempts: this attempt already uses the new arguments
         port = self.cfg.engine.port or free_loopback_port()
         self.launch = build_launch(self.cfg, self.engine_args, port, self.internal_key)
         self.last_lines.clear()

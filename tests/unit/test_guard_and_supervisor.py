@@ -166,3 +166,33 @@ def test_guard_killed_the_supervisor_still_cleans_up_and_restarts(tmp_path: Path
     engine, reason = asyncio.run(scenario())
     assert "engine guard killed by signal SIGKILL" in reason
     wait_for(lambda: _gone(engine), 10, what="the guard's orphans to be killed")
+
+
+def test_relaunch_with_new_arguments_is_not_a_failure(tmp_path: Path):
+    """A decided relaunch (the doctor turning speculation off) restarts at once with the new arguments,
+    and neither waits out the back-off nor counts towards giving up."""
+    cfg = _fake_engine_config(tmp_path, "restart_backoff_initial_s = 30\nmax_failures = 1")
+    seen: list[str] = []
+
+    async def scenario() -> tuple[list[int], EngineSupervisor]:
+        sup = EngineSupervisor(cfg, ["--old"])
+        sup.add_listener(lambda st: seen.append(f"{st.state.value}: {st.reason}"))
+        await sup.start()
+        await asyncio.sleep(1.5)
+        old = psutil.Process(sup.status.pid)
+        old_pids = [old.pid] + [c.pid for c in old.children(recursive=True)]
+        assert sup.launch is not None and "--old" in sup.launch.argv
+        await sup.relaunch(["--new"], "speculative acceptance decayed")
+        for _ in range(100):
+            if sup.status.pid not in (None, old.pid):
+                break
+            await asyncio.sleep(0.1)
+        assert sup.status.pid not in (None, old.pid), "no new engine within 10s: the relaunch waited out a back-off"
+        assert "--new" in sup.launch.argv and "--old" not in sup.launch.argv
+        assert not sup.gave_up.is_set() and sup.status.restarts == 0 and sup.status.last_exit is None
+        await sup.stop()
+        return old_pids, sup
+
+    old_pids, sup = asyncio.run(scenario())
+    assert "restarting: relaunching: speculative acceptance decayed" in seen
+    wait_for(lambda: _gone(old_pids), 10, what="the old engine to be gone")
