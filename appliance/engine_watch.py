@@ -116,6 +116,9 @@ class EngineWatch:
         cutoff = time.time() - seconds
         return [s for s in self.samples if s.ts >= cutoff]
 
+    def clear(self) -> None:
+        self.samples.clear()
+
     async def poll_once(self) -> EngineSample | None:
         base = self.base_url()
         if base is None:
@@ -127,6 +130,8 @@ class EngineWatch:
         except (httpx.HTTPError, ValueError) as e:
             log.debug("engine metrics unavailable: %s", e)
             return None
+        if self.samples and sample.generation_tokens < self.samples[-1].generation_tokens:
+            self.clear()  # a new engine: its counters restarted from zero, and a window across them means nothing
         self.samples.append(sample)
         for fn in self._listeners:
             fn(sample)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import socket
@@ -10,13 +11,14 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from appliance import doctor
 from appliance.cli import main
 from appliance.config import parse
-from appliance.engine_watch import EngineSample, parse_sample
+from appliance.engine_watch import EngineSample, EngineWatch, parse_sample
 from kvbudget.gpu import Discovery
 from tests.support import model_folder
 
@@ -104,6 +106,24 @@ def test_engine_samples_parse_from_vllm_text():
     )
     s = parse_sample(text, 5.0)
     assert (s.kv_usage, s.preemptions, s.itl_sum, s.itl_count) == (0.25, 3.0, 1.5, 50.0)
+
+
+def test_engine_watch_starts_over_when_a_new_engine_resets_its_counters():
+    """A window across an engine restart would subtract a fresh engine's counters from the old one's."""
+    served = iter([40.0, 90.0, 3.0, 10.0])
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=f"# TYPE vllm:generation_tokens counter\n"
+                                        f'vllm:generation_tokens_total{{engine="0"}} {next(served)}\n')
+
+    async def scenario() -> list[float]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+            watch = EngineWatch(client, lambda: "http://engine")
+            for _ in range(4):
+                await watch.poll_once()
+            return [s.generation_tokens for s in watch.samples]
+
+    assert asyncio.run(scenario()) == [3.0, 10.0]
 
 
 # -- setup checks ------------------------------------------------------------------------------
