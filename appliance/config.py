@@ -245,6 +245,17 @@ class KernelsSection(_Section):
         default="warn", description="At start: refuse (fail, the packaged default) or log (warn) a mismatch.")
 
 
+class DoctorSection(_Section):
+    """What the daemon does about the doctor's live recipes itself, beyond reporting them."""
+
+    disable_decayed_speculation: bool = Field(
+        default=False, description="Relaunch the engine without speculative decoding once its acceptance has "
+                                   "decayed; lasts until the service restarts (targets.speculative = \"off\" "
+                                   "makes it permanent).")
+    check_interval_s: Annotated[float, Field(ge=1)] = Field(
+        default=300.0, description="How often the daemon applies the recipes it may act on.")
+
+
 class Config(_Section):
     site: SiteSection = Field(default_factory=SiteSection)
     model: ModelSection
@@ -257,6 +268,7 @@ class Config(_Section):
     auth: AuthSection = Field(default_factory=AuthSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     kernels: KernelsSection = Field(default_factory=KernelsSection)
+    doctor: DoctorSection = Field(default_factory=DoctorSection)
 
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 

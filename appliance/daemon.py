@@ -26,7 +26,7 @@ from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
 from appliance.config import Config, ConfigError
 from appliance.config import load as load_config
-from appliance.planning import SitePlan
+from appliance.planning import PlanningError, SitePlan, plan_for_config
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
 from appliance.escalation import build_cascade
@@ -100,6 +100,7 @@ class Daemon:
         self.notifier = Notifier()
         self._server: uvicorn.Server | None = None
         self._ready_sent = False
+        self._speculation_off: str | None = None  # why the daemon turned speculative decoding off, if it did
 
     def _admission_gate(self, cfg: Config, site_plan: SitePlan) -> AdmissionGate | None:
         if not cfg.admission.enabled:
@@ -125,6 +126,8 @@ class Daemon:
             },
             "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
                      "max_num_seqs": p.max_num_seqs,
+                     "speculative": {"method": p.speculative.method,
+                                     "reason": self._speculation_off or p.speculative.reason},
                      "kv_tokens": p.capacity.tokens_reported if p.capacity else None,
                      "targets_met": p.targets_met},
             "devices": self.site_plan.discovery.as_dict(),
@@ -177,6 +180,8 @@ class Daemon:
         await self.supervisor.start()
         background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
                       asyncio.create_task(self.engine_watch.run())]
+        if self.cfg.doctor.disable_decayed_speculation:
+            background.append(asyncio.create_task(self._act_on_recipes(), name="doctor"))
         if self.cascade is not None and self.cascade.forwarder is not None:
             background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
@@ -267,6 +272,46 @@ class Daemon:
         while not self.supervisor.gave_up.is_set():
             self.notifier.watchdog()
             await asyncio.sleep(interval)
+
+    async def _act_on_recipes(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.doctor.check_interval_s)
+            try:
+                await self.act_on_recipes()
+            except Exception:  # a bug here must not take the serving daemon down
+                log.exception("acting on the doctor's findings failed")
+
+    async def act_on_recipes(self) -> str | None:
+        """[doctor] disable_decayed_speculation: section 8's remedy, applied by the box itself.
+
+        Returns what was done, or None. The change lasts until the service restarts; the log line
+        tells the operator how to make it permanent.
+        """
+        p = self.site_plan.plan
+        if not self.cfg.doctor.disable_decayed_speculation or p.speculative.method == "none" \
+                or not self.supervisor.ready:
+            return None
+        finding = doctor.spec_acceptance(self.engine_watch.since(1800), p.speculative.method)
+        if finding.status != "warn":
+            return None
+        off = self.cfg.model_copy(update={"targets": self.cfg.targets.model_copy(update={"speculative": "off"})})
+        try:
+            site_plan = await asyncio.to_thread(plan_for_config, off, self.site_plan.discovery)
+        except PlanningError as e:
+            log.error("speculative decoding should go off (%s) but the engine cannot be planned without it: %s",
+                      finding.summary, e)
+            return None
+        action = f"speculative decoding ({p.speculative.method}) turned off: {finding.summary}"
+        log.warning("doctor: %s; relaunching the engine without it. Until the service restarts: set "
+                    "targets.speculative = \"off\" to keep it off", action)
+        self.site_plan = site_plan  # self.cfg stays as the file says, so a reload compares like with like
+        if self.admission is not None:  # the plan without drafts may hold a different number of sequences
+            self.admission.cfg = AdmissionConfig.from_section(self.cfg.admission, site_plan.plan.max_num_seqs)
+        self._speculation_off = action
+        self.metrics.doctor_actions.labels("speculative_off").inc()
+        self.engine_watch.clear()  # the new engine's counters start again from zero
+        await self.supervisor.relaunch(site_plan.plan.vllm_args, action)
+        return action
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""

@@ -101,6 +101,8 @@ class Metrics:
                                registry=r)
         self.forwarded = Counter("appliance_outbox_sends", "Forwarder sends by result: delivered, retry, "
                                  "link_down, rejected, gave_up", ["result"], registry=r)
+        self.doctor_actions = Counter("appliance_doctor_actions", "Changes the daemon made on the doctor's "
+                                      "findings, by action", ["action"], registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0

@@ -1,7 +1,9 @@
 """Admission control against the real engine: gold first, bronze refused early, the class token limit.
 
 A dedicated appliance with room for two requests at once (gold holds one of them in reserve), so
-overload takes a handful of requests rather than hundreds.
+overload takes a handful of requests rather than hundreds. It plans for a code workload, so the engine
+runs n-gram speculative decoding: the last test, the doctor turning decayed speculation off, shares
+this engine rather than paying for another start.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from tests.support import RunningAppliance, start_appliance, wait_for
 pytestmark = pytest.mark.engine
 
 ADMISSION = """
+[targets]
+workload = "code"
+
+[doctor]
+disable_decayed_speculation = true
+check_interval_s = 2
+
 [admission]
 anonymous_class = "silver"
 
@@ -175,3 +184,33 @@ def test_a_client_leaving_the_queue_gives_its_place_up(small):
         wait_for(lambda: queued() == 0, 10, what="the abandoned request to leave the queue")
         assert in_flight() == 1
     wait_for(lambda: in_flight() == 0, 30, what="the slot to free")
+
+
+def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):
+    """Section 8's remedy applied by the box: sampled answers make n-gram drafts worthless."""
+    app, secret = small
+    status = lambda: httpx.get(f"{app.url}/v1/appliance/status", timeout=10).json()  # noqa: E731
+    before = status()
+    assert before["plan"]["speculative"]["method"] == "ngram"
+    assert before["engine"]["restarts"] == 0
+    code = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n-1) + fib(n-2)\n\ndef fact(n):"
+    deadline, seed = time.monotonic() + 300, 0
+    while status()["plan"]["speculative"]["method"] == "ngram":
+        assert time.monotonic() < deadline, "speculative decoding still on after 300s of rejected drafts"
+        seed += 1
+        r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
+                       json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
+                             "temperature": 0.8, "seed": seed}, timeout=120)
+        assert r.status_code in (200, 503), r.text  # 503 once the relaunch has begun
+    after = status()
+    assert after["plan"]["speculative"]["method"] == "none"
+    assert "turned off" in after["plan"]["speculative"]["reason"] and "acceptance" in after["plan"]["speculative"]["reason"]
+    app.wait_ready(timeout=300)
+    servers = [" ".join(p.cmdline()) for p in app.engine_processes() if "api_server" in " ".join(p.cmdline())]
+    assert servers and not any("--speculative-config" in cmd for cmd in servers), servers
+    assert status()["engine"]["restarts"] == 0  # a decision, not a failure
+    metrics = httpx.get(f"{app.url}/metrics", timeout=10).text
+    assert 'appliance_doctor_actions_total{action="speculative_off"} 1.0' in metrics
+    ok = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
+                    json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

@@ -1,0 +1,85 @@
+"""The daemon acting on the doctor's speculative-decoding recipe ([doctor] disable_decayed_speculation).
+
+The supervisor is replaced by a recorder: what is under test is the decision and the new plan handed
+to it; the relaunch itself is tested against real processes in test_guard_and_supervisor.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from appliance.config import load
+from appliance.daemon import Daemon
+from appliance.engine.supervisor import EngineState
+from appliance.engine_watch import EngineSample
+from appliance.planning import plan_for_config
+from kvbudget.gpu import Discovery
+from tests.support import write_config
+
+
+class RecordingSupervisor:
+    def __init__(self, real) -> None:
+        self.real = real
+        self.relaunched: list[tuple[list[str], str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def relaunch(self, engine_args, reason: str) -> None:
+        self.relaunched.append((list(engine_args), reason))
+
+
+def _daemon(tmp_path: Path, act: bool) -> tuple[Daemon, RecordingSupervisor]:
+    path = write_config(tmp_path, extra=f'[targets]\nworkload = "code"\n'
+                                        f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n")
+    cfg = load(path)
+    daemon = Daemon(cfg, plan_for_config(cfg, Discovery(error="no NVIDIA driver")))
+    assert daemon.site_plan.plan.speculative.method == "ngram"  # code on a tight budget: n-gram drafts
+    daemon.supervisor.status.state = EngineState.READY
+    recorder = RecordingSupervisor(daemon.supervisor)
+    daemon.supervisor = recorder  # type: ignore[assignment]
+    return daemon, recorder
+
+
+def _feed(daemon: Daemon, accepted_share: float) -> None:
+    now = time.time()
+    for i in range(11):
+        drafted = 200.0 * i
+        daemon.engine_watch.samples.append(EngineSample(ts=now - 300 + 30 * i, spec_draft_tokens=drafted,
+                                                        spec_accepted=drafted * accepted_share,
+                                                        generation_tokens=100.0 * i))
+
+
+def test_decayed_speculation_is_turned_off_and_the_engine_relaunched(tmp_path: Path):
+    daemon, sup = _daemon(tmp_path, act=True)
+    _feed(daemon, 0.1)
+    action = asyncio.run(daemon.act_on_recipes())
+    assert action and "ngram" in action and "acceptance 10%" in action
+    [(args, reason)] = sup.relaunched
+    assert "--speculative-config" not in args and reason == action
+    assert "--kv-cache-memory-bytes" in args  # the rest of the plan is unchanged
+    status = daemon.status()["plan"]["speculative"]
+    assert status == {"method": "none", "reason": action}
+    assert daemon.metrics.doctor_actions.labels("speculative_off")._value.get() == 1
+    assert not daemon.engine_watch.samples  # the old engine's counters are not compared with the new one's
+    # Done once: with speculation off there is nothing more to do.
+    _feed(daemon, 0.1)
+    assert asyncio.run(daemon.act_on_recipes()) is None and len(sup.relaunched) == 1
+    assert daemon.cfg.targets.speculative == "auto"  # the file's setting; a restart brings speculation back
+
+
+def test_healthy_speculation_is_left_alone(tmp_path: Path):
+    daemon, sup = _daemon(tmp_path, act=True)
+    _feed(daemon, 0.7)
+    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
+    assert daemon.site_plan.plan.speculative.method == "ngram"
+
+
+def test_decayed_speculation_is_only_reported_unless_configured(tmp_path: Path):
+    daemon, sup = _daemon(tmp_path, act=False)
+    _feed(daemon, 0.1)
+    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
+    found = {f["check"]: f for f in asyncio.run(daemon.doctor())["findings"]}
+    assert found["speculative"]["status"] == "warn"  # still advised, for the operator to decide
