@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ class RequestLog:
     """Asynchronous, batched writer of RequestRecord rows."""
 
     _STOP = object()
+    COALESCE_S = 0.2
 
     def __init__(self, path: Path, keep_text: bool) -> None:
         self.path = path
@@ -138,6 +140,10 @@ class RequestLog:
         stop = False
         while not stop:
             batch = [self._q.get()]
+            # Let a busy gateway's rows gather first: one wake-up and one transaction per interval, not
+            # one per request (each wake-up takes the GIL from the event loop). The STOP marker skips it.
+            if batch[0] is not self._STOP:
+                time.sleep(self.COALESCE_S)
             while True:  # drain what is already queued into one transaction
                 try:
                     batch.append(self._q.get_nowait())

@@ -103,9 +103,18 @@ def test_engine_samples_parse_from_vllm_text():
         '# TYPE vllm:inter_token_latency_seconds histogram\n'
         'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.5\n'
         'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 50.0\n'
+        # what the watch does not read is skipped before parsing, and must not disturb what it does
+        '# TYPE vllm:e2e_request_latency_seconds histogram\n'
+        'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 7.0\n'
+        'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 9.5\n'
+        '# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+        '# TYPE vllm:num_requests_running gauge\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
     )
     s = parse_sample(text, 5.0)
     assert (s.kv_usage, s.preemptions, s.itl_sum, s.itl_count) == (0.25, 3.0, 1.5, 50.0)
+    assert s.running == 3.0  # summed over engines
 
 
 def test_engine_watch_starts_over_when_a_new_engine_resets_its_counters():
