@@ -309,7 +309,9 @@ class Daemon:
             self.admission.cfg = AdmissionConfig.from_section(self.cfg.admission, site_plan.plan.max_num_seqs)
         self._speculation_off = action
         self.metrics.doctor_actions.labels("speculative_off").inc()
-        self.engine_watch.clear()  # the new engine's counters start again from zero
+        # The old engine's samples say nothing about the new one; poll_once would only notice the reset at
+        # the new engine's first sample, and until then the doctor would judge a dead engine's numbers.
+        self.engine_watch.clear()
         await self.supervisor.relaunch(site_plan.plan.vllm_args, action)
         return action
 

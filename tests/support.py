@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -39,6 +40,18 @@ def model_folder(parent: Path) -> Path:
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"\0" * 16)
     return folder
+
+
+def send_raw(port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """POST a JSON body over a raw socket and return it unread, so the test decides exactly when the
+    client goes away (closing it): a client timeout would race the engine's speed."""
+    data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head + data)
+    return sock
 
 
 def shared_engine_cache() -> Path:

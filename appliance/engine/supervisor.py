@@ -214,9 +214,7 @@ class EngineSupervisor:
             if self._stopping.is_set():
                 return
             if self._relaunch_reason is not None:
-                why, self._relaunch_reason = self._relaunch_reason, None
-                await self._set(EngineState.RESTARTING, f"relaunching: {why}")
-                continue
+                continue  # relaunch() already said so; the next attempt clears the reason
             self.status.last_exit = reason
             now = time.monotonic()
             self._failures.append(now)

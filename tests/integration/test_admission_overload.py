@@ -8,9 +8,7 @@ this engine rather than paying for another start.
 
 from __future__ import annotations
 
-import json
 import re
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +19,7 @@ import httpx
 import pytest
 
 from appliance import keys
-from tests.support import RunningAppliance, start_appliance, wait_for
+from tests.support import RunningAppliance, send_raw, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -107,16 +105,6 @@ def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[None]:
         yield
 
 
-def _send_raw(app: RunningAppliance, key: str, body: dict) -> socket.socket:
-    """Send a request over a raw socket, so the test decides exactly when its client goes away."""
-    data = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-    sock = socket.create_connection(("127.0.0.1", app.port), timeout=10)
-    sock.sendall(head + data)
-    return sock
-
-
 def test_gold_first_bronze_refused_early_with_retry_after(small):
     app, secret = small
     pool = ThreadPoolExecutor(4)
@@ -178,7 +166,7 @@ def test_a_client_leaving_the_queue_gives_its_place_up(small):
     with _holding_a_slot(app, secret["silver"]):  # the only slot silver may use
         wait_for(lambda: in_flight() == 1, 30, what="silver to hold the shared slot")
         body = {"model": app.served_name, "prompt": "hi", "max_tokens": 2}
-        with _send_raw(app, secret["silver"], body):
+        with send_raw(app.port, "/v1/completions", body, {"Authorization": f"Bearer {secret['silver']}"}):
             wait_for(lambda: queued() == 1, 30, what="the second silver request to queue")
         # The client went away while queued: its place is given up, not served to nobody.
         wait_for(lambda: queued() == 0, 10, what="the abandoned request to leave the queue")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import RunningAppliance, wait_for
+from tests.support import RunningAppliance, send_raw, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -217,11 +216,7 @@ def test_nonstream_client_disconnect_aborts_engine_request(appliance: RunningApp
     wait_for(lambda: _running(appliance) == 0, 30, what="an idle engine")
     # A raw socket, so the test decides when the client goes away: only once the engine shows the
     # request running (a read timeout raced the engine's first step on a slow CI box).
-    body = json.dumps(_long_request(appliance, False)).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection(("127.0.0.1", appliance.port), timeout=10) as sock:
-        sock.sendall(head + body)
+    with send_raw(appliance.port, "/v1/completions", _long_request(appliance, False)):
         wait_for(lambda: _running(appliance) == 1, 30, what="the engine to report the request running")
     wait_for(lambda: _running(appliance) == 0, 15, what="vLLM to abort the request")
 
