@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import RunningAppliance, start_appliance
+from tests.support import RUNNING, RunningAppliance, start_appliance
+
+DAEMON_LINES, ENGINE_LINES = 60, 15
+ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of every live appliance's log (the daemon's side of it)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for app in RUNNING:
+            try:
+                lines = app.log_text().splitlines()
+            except OSError as e:
+                lines = [f"(log unreadable: {e})"]
+            daemon = [line for line in lines if ENGINE_LOGGER not in line][-DAEMON_LINES:]
+            engine = [line for line in lines if ENGINE_LOGGER in line][-ENGINE_LINES:]
+            report.sections.append((f"appliance log: {app.log_path} (daemon)", "\n".join(daemon)))
+            report.sections.append((f"appliance log: {app.log_path} (engine)", "\n".join(engine)))
 
 
 @pytest.fixture(scope="session")

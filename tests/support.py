@@ -62,7 +62,7 @@ def shared_engine_cache() -> Path:
 
 def write_config(directory: Path, *, port: int | None = None, engine_port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
-                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16) -> Path:
+                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
     path.write_text(
@@ -82,7 +82,7 @@ directory = "{directory / 'state'}"
 [engine]
 port = {engine_port or free_port()}
 kv_cache_memory_bytes = "1GiB"
-max_model_len = 2048
+max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}
 enforce_eager = {str(enforce_eager).lower()}
 cache_dir = "{shared_engine_cache()}"
@@ -162,7 +162,14 @@ class RunningAppliance:
                 self.proc.wait()
         if self._log_file:
             self._log_file.close()
+        if self in RUNNING:
+            RUNNING.remove(self)
         return self.proc.returncode
+
+
+# Every appliance a test started and has not stopped: a failed test's report carries their log tails
+# (tests/conftest.py), since CI shows only pytest's output and the logs die with the temporary folder.
+RUNNING: list[RunningAppliance] = []
 
 
 def start_appliance(directory: Path, env: dict[str, str] | None = None, **config_kwargs) -> RunningAppliance:
@@ -177,10 +184,12 @@ def start_appliance(directory: Path, env: dict[str, str] | None = None, **config
         [sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg_path)],
         stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=env,
     )
-    return RunningAppliance(
+    running = RunningAppliance(
         config=cfg_path, proc=proc, log_path=log_path, port=raw["server"]["port"],
         engine_port=raw["engine"]["port"], served_name=raw["model"]["served_name"], _log_file=log_file,
     )
+    RUNNING.append(running)
+    return running
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
