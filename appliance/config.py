@@ -254,6 +254,9 @@ class DoctorSection(_Section):
                                    "makes it permanent).")
     check_interval_s: Annotated[float, Field(ge=1)] = Field(
         default=300.0, description="How often the daemon applies the recipes it may act on.")
+    relaunch_drain_s: Annotated[float, Field(ge=0)] = Field(
+        default=120.0, description="Before relaunching the engine, how long to let the requests it is answering "
+                                   "finish (new ones get 503 meanwhile); those still running then are cut off.")
 
 
 class Config(_Section):

@@ -180,8 +180,7 @@ class Daemon:
         await self.supervisor.start()
         background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
                       asyncio.create_task(self.engine_watch.run())]
-        if self.cfg.doctor.disable_decayed_speculation:
-            background.append(asyncio.create_task(self._act_on_recipes(), name="doctor"))
+        background.append(asyncio.create_task(self._act_on_recipes(), name="doctor"))
         if self.cascade is not None and self.cascade.forwarder is not None:
             background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
@@ -274,6 +273,7 @@ class Daemon:
             await asyncio.sleep(interval)
 
     async def _act_on_recipes(self) -> None:
+        # Runs whatever [doctor] says now: a reload (SIGHUP) may switch acting on or off, or change the interval.
         while True:
             await asyncio.sleep(self.cfg.doctor.check_interval_s)
             try:
@@ -312,8 +312,18 @@ class Daemon:
         # The old engine's samples say nothing about the new one; poll_once would only notice the reset at
         # the new engine's first sample, and until then the doctor would judge a dead engine's numbers.
         self.engine_watch.clear()
-        await self.supervisor.relaunch(site_plan.plan.vllm_args, action)
+        await self.supervisor.relaunch(site_plan.plan.vllm_args, action, drain=self._drain_local_requests)
         return action
+
+    async def _drain_local_requests(self) -> None:
+        """Let the answers the engine is giving finish before it goes: a planned relaunch cuts nobody off."""
+        limit = self.cfg.doctor.relaunch_drain_s
+        busy = self.proxy.local_in_flight
+        if busy:
+            log.info("waiting up to %gs for %d request(s) in flight to finish before the relaunch", limit, busy)
+        left = await self.proxy.drained(limit)
+        if left:
+            log.warning("%d request(s) still running after %gs are cut off by the relaunch", left, limit)
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""
@@ -326,11 +336,11 @@ class Daemon:
             old_d, new_d = self.cfg.model_dump(), new.model_dump()
             self.request_log.keep_text = new.state.log_prompts
             self.verifier.clear()  # revocations take effect now
-            live = {"state"}
+            live = {"state", "doctor"}
             needs_restart = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in live)
             if needs_restart:
                 log.warning("reload: changes to %s take effect at the next restart", ", ".join(needs_restart))
-            self.cfg = self.cfg.model_copy(update={"state": new.state})
+            self.cfg = self.cfg.model_copy(update={"state": new.state, "doctor": new.doctor})
             log.info("configuration reloaded from %s", self.cfg.source)
         status = f"serving: {self.cfg.served_name} at {self.api_url}" if self.supervisor.ready else "starting"
         if self._ready_sent:

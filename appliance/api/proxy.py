@@ -74,9 +74,35 @@ class EngineProxy:
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
         )
+        # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
+        self._local: set[_Lease] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+    @property
+    def local_in_flight(self) -> int:
+        return len(self._local)
+
+    async def drained(self, timeout: float) -> int:
+        """Wait until the local engine answers no request, at most `timeout` s; returns how many still run."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return len(self._local)
+
+    def _lease(self, ticket: Ticket | None) -> "_Lease":
+        lease = _Lease(ticket, self._end_lease)
+        self._local.add(lease)
+        self._idle.clear()
+        return lease
+
+    def _end_lease(self, lease: "_Lease") -> None:
+        self._local.discard(lease)
+        self._release(lease.ticket)
+        if not self._local:
+            self._idle.set()
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -86,7 +112,7 @@ class EngineProxy:
         if st.state is not EngineState.READY or base is None:
             what = {
                 EngineState.STARTING: "the engine is loading the model",
-                EngineState.RESTARTING: "the engine is restarting after a failure",
+                EngineState.RESTARTING: "the engine is restarting",
                 EngineState.FAILED: "the engine has failed and the appliance gave up restarting it",
                 EngineState.STOPPING: "the appliance is stopping",
             }.get(st.state, "the engine is not running")
@@ -270,10 +296,11 @@ class EngineProxy:
         except _ClientGone:
             return self._client_gone(rec, job.t0)
         admitted = time.perf_counter()
+        lease = self._lease(ticket)
         try:
-            return await self._forward(request, base, job, ticket, admitted)
+            return await self._forward(request, base, job, lease, admitted)
         except BaseException:
-            self._release(ticket)
+            lease.end()
             raise
 
     async def _admit(self, request: Request, req: AdmissionRequest) -> Ticket | None:
@@ -294,7 +321,7 @@ class EngineProxy:
     async def _release_async(self, ticket: Ticket) -> None:
         self._release(ticket)
 
-    async def _forward(self, request: Request, base: str, job: "_Job", ticket: Ticket | None,
+    async def _forward(self, request: Request, base: str, job: "_Job", lease: "_Lease",
                        admitted: float) -> Response:
         rec, t0, body = job.rec, job.t0, job.body
         upstream_req = self.client.build_request(
@@ -303,10 +330,10 @@ class EngineProxy:
         try:
             upstream = await self._send_watching_disconnect(request, upstream_req)
         except _ClientGone:
-            self._release(ticket)
+            lease.end()
             return self._client_gone(rec, t0)
         except httpx.HTTPError as e:
-            self._release(ticket)
+            lease.end()
             rec.status, rec.error_code = 503, "engine_unreachable"
             self._record(rec, t0)
             raise self._unreachable(e) from None
@@ -324,7 +351,7 @@ class EngineProxy:
                                                 "engine_error")).encode()
                 return self._finish_plain(rec, t0, 502, content, headers)
             finally:
-                self._release(ticket)
+                lease.end()
             if job.judge and upstream.status_code == 200:
                 return await self._judged(job, content, headers)
             return self._finish_plain(rec, t0, upstream.status_code, content, headers)
@@ -337,7 +364,7 @@ class EngineProxy:
         async def on_close() -> None:
             # Runs however the response ends, even when the client left before the relay started
             # (then the generator never ran and only this closes the upstream and frees the slot).
-            self._release(ticket)
+            lease.end()
             await upstream.aclose()
 
         return _ClosingStream(
@@ -506,6 +533,20 @@ class EngineProxy:
 
 class _ClientGone(Exception):
     pass
+
+
+@dataclass(eq=False)
+class _Lease:
+    """A request the local engine is answering: its admission slot and its place in the drain count."""
+
+    ticket: Ticket | None
+    _on_end: Callable[["_Lease"], None]
+    ended: bool = False
+
+    def end(self) -> None:  # idempotent: every way a response can finish calls it
+        if not self.ended:
+            self.ended = True
+            self._on_end(self)
 
 
 @dataclass

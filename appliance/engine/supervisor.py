@@ -179,17 +179,24 @@ class EngineSupervisor:
             gave_up.cancel()
         return self.ready
 
-    async def relaunch(self, engine_args: Sequence[str], reason: str) -> None:
+    async def relaunch(self, engine_args: Sequence[str], reason: str,
+                       drain: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stop the engine and start it again with new arguments: a decision, not a failure.
 
         It neither counts towards giving up nor waits out a back-off; requests meanwhile get 503
-        with Retry-After, as during any restart.
+        with Retry-After, as during any restart. `drain`, awaited between refusing new work and
+        stopping the engine, lets the requests the engine is answering finish.
         """
         self.engine_args = list(engine_args)
         self._relaunch_reason = reason
         log.warning("relaunching the engine: %s", reason)
         # Not ready from now on: new requests get 503 rather than an engine that is shutting down.
         await self._set(EngineState.RESTARTING, f"relaunching: {reason}")
+        proc = self._proc
+        if drain is not None:
+            await drain()
+        if self._proc is not proc:
+            return  # the engine died while draining and the loop already started it with the new arguments
         await self._terminate()
 
     async def stop(self) -> None:

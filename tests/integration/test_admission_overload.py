@@ -3,12 +3,15 @@
 A dedicated appliance with room for two requests at once (gold holds one of them in reserve), so
 overload takes a handful of requests rather than hundreds. It plans for a code workload, so the engine
 runs n-gram speculative decoding: the last test, the doctor turning decayed speculation off, shares
-this engine rather than paying for another start.
+this engine rather than paying for another start. The doctor acts only once that test switches it on
+(a reload): before, its judgement of the other tests' traffic could relaunch the engine under them.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +31,7 @@ ADMISSION = """
 workload = "code"
 
 [doctor]
-disable_decayed_speculation = true
+disable_decayed_speculation = false
 check_interval_s = 2
 
 [admission]
@@ -53,7 +56,7 @@ def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
     db = d / "state" / "appliance.db"
     db.parent.mkdir(parents=True)
     secrets = {cls: keys.create(db, f"{cls}-client", priority_class=cls)[1] for cls in ("gold", "silver", "bronze")}
-    app = start_appliance(d, max_num_seqs=2, extra=ADMISSION)
+    app = start_appliance(d, max_num_seqs=2, max_model_len=8192, extra=ADMISSION)
     try:
         app.wait_ready()
         yield app, secrets
@@ -62,7 +65,7 @@ def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
 
 
 def _metric(app: RunningAppliance, pattern: str) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=5).text
+    text = httpx.get(f"{app.url}/metrics", timeout=15).text
     m = re.search(pattern, text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -174,25 +177,85 @@ def test_a_client_leaving_the_queue_gives_its_place_up(small):
     wait_for(lambda: in_flight() == 0, 30, what="the slot to free")
 
 
+class _Bystander(threading.Thread):
+    """A long sampled stream read as it arrives: when each chunk came, and any error event."""
+
+    def __init__(self, app: RunningAppliance, key: str) -> None:
+        super().__init__(daemon=True)
+        self.app, self.key = app, key
+        self.chunks: list[float] = []
+        self.errors: list[str] = []
+        self.status: int | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": self.app.served_name, "prompt": "Write about the sea.", "max_tokens": 8000,
+                "ignore_eos": True, "temperature": 0.8, "seed": 7, "stream": True}
+        with httpx.stream("POST", f"{self.app.url}/v1/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {self.key}"}) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if '"error"' in line:
+                        self.errors.append(line)
+                    self.chunks.append(time.monotonic())
+                if self.stop.is_set():
+                    return  # leaving the block closes the stream: the client went away
+
+
 def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):
-    """Section 8's remedy applied by the box: sampled answers make n-gram drafts worthless."""
+    """Section 8's remedy applied by the box: sampled answers make n-gram drafts worthless.
+
+    The relaunch is planned: a stream running when the doctor decides keeps being served until it ends
+    (here, until its client leaves), and only then does the engine go.
+    """
     app, secret = small
     status = lambda: httpx.get(f"{app.url}/v1/appliance/status", timeout=10).json()  # noqa: E731
     before = status()
     assert before["plan"]["speculative"]["method"] == "ngram"
     assert before["engine"]["restarts"] == 0
-    code = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n-1) + fib(n-2)\n\ndef fact(n):"
-    deadline, seed = time.monotonic() + 300, 0
-    while status()["plan"]["speculative"]["method"] == "ngram":
-        assert time.monotonic() < deadline, "speculative decoding still on after 300s of rejected drafts"
-        seed += 1
-        r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
-                       json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
-                             "temperature": 0.8, "seed": seed}, timeout=120)
-        assert r.status_code in (200, 503), r.text  # 503 once the relaunch has begun
-    after = status()
-    assert after["plan"]["speculative"]["method"] == "none"
-    assert "turned off" in after["plan"]["speculative"]["reason"] and "acceptance" in after["plan"]["speculative"]["reason"]
+
+    # [doctor] is live: a reload switches acting on without a restart.
+    app.config.write_text(app.config.read_text().replace("disable_decayed_speculation = false",
+                                                         "disable_decayed_speculation = true"))
+    reloads = app.log_text().count("configuration reloaded")
+    app.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: app.log_text().count("configuration reloaded") > reloads, 10, what="the reload")
+    assert "take effect at the next restart" not in app.log_text()
+
+    bystander = _Bystander(app, secret["silver"])
+    bystander.start()
+    try:
+        wait_for(lambda: bystander.chunks, 60, what="the bystander's first tokens")
+        code = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n-1) + fib(n-2)\n\ndef fact(n):"
+        deadline, seed = time.monotonic() + 300, 0
+        while status()["plan"]["speculative"]["method"] == "ngram":
+            assert time.monotonic() < deadline, "speculative decoding still on after 300s of rejected drafts"
+            assert bystander.is_alive(), "the bystander's 8000 tokens ended before the doctor decided"
+            seed += 1
+            r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
+                           json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
+                                 "temperature": 0.8, "seed": seed}, timeout=120)
+            # 200: answered, also when the decision came while it ran (the relaunch waits for it);
+            # 503 once the relaunch has begun. Never the engine's 500 from being stopped under it.
+            assert r.status_code in (200, 503), r.text
+        decided = time.monotonic()
+        after = status()
+        assert after["plan"]["speculative"]["method"] == "none"
+        assert "turned off" in after["plan"]["speculative"]["reason"] and "acceptance" in after["plan"]["speculative"]["reason"]
+
+        # Draining: new work is refused, the running stream is still served by the old engine.
+        ready = httpx.get(f"{app.url}/readyz", timeout=10)
+        assert ready.status_code == 503 and ready.json()["engine"]["reason"].startswith("relaunching")
+        wait_for(lambda: bystander.chunks[-1] > decided + 3 or not bystander.is_alive(), 60,
+                 what="tokens for the bystander during the drain")
+        assert bystander.is_alive() and bystander.status == 200 and not bystander.errors, bystander.errors
+        # the bystander, and the gold request when the decision came while it ran
+        assert re.search(r"waiting up to 120s for [12] request\(s\) in flight", app.log_text())
+    finally:
+        bystander.stop.set()
+        bystander.join(60)
+
     app.wait_ready(timeout=300)
     servers = [" ".join(p.cmdline()) for p in app.engine_processes() if "api_server" in " ".join(p.cmdline())]
     assert servers and not any("--speculative-config" in cmd for cmd in servers), servers

@@ -27,13 +27,15 @@ class RecordingSupervisor:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    async def relaunch(self, engine_args, reason: str) -> None:
+    async def relaunch(self, engine_args, reason: str, drain=None) -> None:
+        if drain is not None:
+            await drain()
         self.relaunched.append((list(engine_args), reason))
 
 
-def _daemon(tmp_path: Path, act: bool) -> tuple[Daemon, RecordingSupervisor]:
+def _daemon(tmp_path: Path, act: bool, doctor: str = "") -> tuple[Daemon, RecordingSupervisor]:
     path = write_config(tmp_path, extra=f'[targets]\nworkload = "code"\n'
-                                        f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n")
+                                        f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n{doctor}")
     cfg = load(path)
     daemon = Daemon(cfg, plan_for_config(cfg, Discovery(error="no NVIDIA driver")))
     assert daemon.site_plan.plan.speculative.method == "ngram"  # code on a tight budget: n-gram drafts
@@ -83,3 +85,35 @@ def test_decayed_speculation_is_only_reported_unless_configured(tmp_path: Path):
     assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
     found = {f["check"]: f for f in asyncio.run(daemon.doctor())["findings"]}
     assert found["speculative"]["status"] == "warn"  # still advised, for the operator to decide
+
+
+def test_the_relaunch_waits_for_the_answers_in_flight(tmp_path: Path):
+    """A planned relaunch refuses new work, then lets the engine finish what it is answering."""
+    daemon, sup = _daemon(tmp_path, act=True)
+    _feed(daemon, 0.1)
+
+    async def scenario() -> None:
+        lease = daemon.proxy._lease(None)  # a request the local engine is answering
+        acting = asyncio.create_task(daemon.act_on_recipes())
+        await asyncio.sleep(0.5)
+        assert not acting.done() and not sup.relaunched, "the engine was relaunched under a request in flight"
+        lease.end()
+        assert await asyncio.wait_for(acting, 5)
+        assert len(sup.relaunched) == 1 and daemon.proxy.local_in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_drain_is_bounded(tmp_path: Path, caplog):
+    """A request that outlasts relaunch_drain_s does not hold the relaunch back for ever."""
+    daemon, sup = _daemon(tmp_path, act=True, doctor="relaunch_drain_s = 0.3\n")
+    _feed(daemon, 0.1)
+
+    async def scenario() -> None:
+        daemon.proxy._lease(None)  # never ends
+        t = time.monotonic()
+        assert await daemon.act_on_recipes()
+        assert 0.3 <= time.monotonic() - t < 3 and len(sup.relaunched) == 1
+
+    asyncio.run(scenario())
+    assert "1 request(s) still running after 0.3s are cut off by the relaunch" in caplog.text

@@ -182,7 +182,13 @@ def test_relaunch_with_new_arguments_is_not_a_failure(tmp_path: Path):
         old = psutil.Process(sup.status.pid)
         old_pids = [old.pid] + [c.pid for c in old.children(recursive=True)]
         assert sup.launch is not None and "--old" in sup.launch.argv
-        await sup.relaunch(["--new"], "speculative acceptance decayed")
+        during_drain: list[tuple[str, bool]] = []
+
+        async def drain() -> None:  # the old engine still runs, but new work is refused (not READY)
+            during_drain.append((sup.status.state.value, old.is_running()))
+
+        await sup.relaunch(["--new"], "speculative acceptance decayed", drain=drain)
+        assert during_drain == [("restarting", True)]
         for _ in range(100):
             if sup.status.pid not in (None, old.pid):
                 break
