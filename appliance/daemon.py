@@ -145,7 +145,7 @@ class Daemon:
         st = self.supervisor.status
         p = self.site_plan.plan
         live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
-                *doctor.recipes(self.engine_watch.since(1800), capacity=p.max_num_seqs,
+                *doctor.recipes(self.engine_watch.since(doctor.LIVE_WINDOW_S), capacity=p.max_num_seqs,
                                 spec_method=p.speculative.method, workload=self.cfg.targets.workload)]
         return doctor.as_dict([*setup, *live])
 
@@ -179,8 +179,8 @@ class Daemon:
         self.notifier.status("starting: loading model")
         await self.supervisor.start()
         background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
-                      asyncio.create_task(self.engine_watch.run())]
-        background.append(asyncio.create_task(self._act_on_recipes(), name="doctor"))
+                      asyncio.create_task(self.engine_watch.run()),
+                      asyncio.create_task(self._act_on_recipes(), name="doctor")]
         if self.cascade is not None and self.cascade.forwarder is not None:
             background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
@@ -291,7 +291,7 @@ class Daemon:
         if not self.cfg.doctor.disable_decayed_speculation or p.speculative.method == "none" \
                 or not self.supervisor.ready:
             return None
-        finding = doctor.spec_acceptance(self.engine_watch.since(1800), p.speculative.method)
+        finding = doctor.spec_acceptance(self.engine_watch.since(doctor.LIVE_WINDOW_S), p.speculative.method)
         if finding.status != "warn":
             return None
         off = self.cfg.model_copy(update={"targets": self.cfg.targets.model_copy(update={"speculative": "off"})})

@@ -39,6 +39,7 @@ PREFIX_MIN_QUERIES = 2000  # tokens looked up; below this the hit rate is noise
 PREFIX_LOW = 0.1
 OUTGROWN_SHARE = 0.9
 OUTGROWN_SECONDS = 600.0
+LIVE_WINDOW_S = 1800.0  # the recipes judge the last half hour of engine samples
 
 
 @dataclass(frozen=True)

@@ -70,10 +70,15 @@ def _metric(app: RunningAppliance, pattern: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _sea(app: RunningAppliance, max_tokens: int, **sampling) -> dict:
+    """A streamed completion body of exactly max_tokens tokens (greedy unless sampling says otherwise)."""
+    return {"model": app.served_name, "prompt": "Write about the sea.", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, **sampling}
+
+
 def _stream(app: RunningAppliance, key: str, max_tokens: int) -> dict:
     """One streamed completion; returns its status and when its first token arrived."""
-    body = {"model": app.served_name, "prompt": "Write about the sea.", "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+    body = _sea(app, max_tokens)
     out: dict = {"sent": time.monotonic()}
     with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
                       headers={"Authorization": f"Bearer {key}"}) as r:
@@ -98,8 +103,7 @@ def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[None]:
     The test, not the engine's speed, decides when the slot frees: a fixed-length answer raced the
     rest of the test on a fast box and held the slot too long on a slow one.
     """
-    body = {"model": app.served_name, "prompt": "Write about the sea.", "max_tokens": 1800,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+    body = _sea(app, 1800)
     with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
                       headers={"Authorization": f"Bearer {key}"}) as r:
         assert r.status_code == 200, r.read()
@@ -189,8 +193,7 @@ class _Bystander(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        body = {"model": self.app.served_name, "prompt": "Write about the sea.", "max_tokens": 8000,
-                "ignore_eos": True, "temperature": 0.8, "seed": 7, "stream": True}
+        body = _sea(self.app, 8000, temperature=0.8, seed=7)
         with httpx.stream("POST", f"{self.app.url}/v1/completions", json=body, timeout=180,
                           headers={"Authorization": f"Bearer {self.key}"}) as r:
             self.status = r.status_code
