@@ -301,7 +301,7 @@ class EngineSupervisor:
         self._ready.clear()
         # If the guard itself was killed, engine processes may still run and hold the log pipe:
         # kill them first, then read what is left of their log.
-        self._kill_leftovers()
+        self._kill_leftovers(self._engine_pgid)
         await self._drain(pump)
         rc = exited.result()
         self.status.pid = None
@@ -346,9 +346,11 @@ class EngineSupervisor:
 
     async def _terminate(self) -> None:
         """SIGTERM the guard (it forwards to the engine's group, then SIGKILLs after the grace period)."""
-        proc = self._proc
+        # This engine's group, taken now: once the guard exits, the loop may start the next engine (a
+        # relaunch) before this resumes, and the clean-up must not reach that one.
+        proc, pgid = self._proc, self._engine_pgid
         if proc is None or proc.returncode is not None:
-            self._kill_leftovers()
+            self._kill_leftovers(pgid)
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -359,13 +361,14 @@ class EngineSupervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await _exit_status(proc)
-        self._kill_leftovers()
+        self._kill_leftovers(pgid)
 
-    def _kill_leftovers(self) -> None:
+    @staticmethod
+    def _kill_leftovers(pgid: int | None) -> None:
         # Belt and braces: the guard already did this unless it was itself killed.
-        if self._engine_pgid:
+        if pgid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._engine_pgid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
 
     async def _set(self, state: EngineState, reason: str) -> None:
         if state is not self.status.state:

@@ -195,6 +195,9 @@ def test_relaunch_with_new_arguments_is_not_a_failure(tmp_path: Path):
             await asyncio.sleep(0.1)
         assert sup.status.pid not in (None, old.pid), "no new engine within 10s: the relaunch waited out a back-off"
         assert "--new" in sup.launch.argv and "--old" not in sup.launch.argv
+        new = sup.status.pid
+        await asyncio.sleep(2)  # the old engine's clean-up must not reach the new engine
+        assert sup.status.pid == new and psutil.pid_exists(new), "the new engine was killed after the relaunch"
         assert not sup.gave_up.is_set() and sup.status.restarts == 0 and sup.status.last_exit is None
         await sup.stop()
         return old_pids, sup
