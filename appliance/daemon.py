@@ -89,7 +89,9 @@ class Daemon:
             self.admission,
             self.cascade,
         )
-        self.engine_watch = EngineWatch(self.proxy.client, lambda: self.supervisor.base_url)
+        self.engine_watch = EngineWatch(self.proxy.client, lambda: self.supervisor.base_url,
+                                        on_error=self.metrics.engine_scrape_errors.inc)
+        self.metrics.attach_engine(lambda: self.engine_watch.latest_text)
         if self.admission is not None:
             self.engine_watch.add_listener(lambda s: self.admission.observe_kv_usage(s.kv_usage))
         self.keys_required = keys_required(cfg.auth.require_keys, cfg.server.host)

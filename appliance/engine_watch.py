@@ -103,11 +103,15 @@ class Window:
 
 class EngineWatch:
     def __init__(self, client: httpx.AsyncClient, base_url: Callable[[], str | None], *, interval_s: float = 2.0,
-                 keep: int = 900) -> None:
+                 keep: int = 900, on_error: Callable[[], None] = lambda: None) -> None:
         self.client = client
         self.base_url = base_url
         self.interval_s = interval_s
+        self.on_error = on_error
         self.samples: deque[EngineSample] = deque(maxlen=keep)
+        # The engine's whole /metrics text from the last poll that worked, or None when the last one did
+        # not: the gateway's /metrics re-exports part of it without calling the engine again.
+        self.latest_text: str | None = None
         self._listeners: list[Callable[[EngineSample], None]] = []
 
     def add_listener(self, fn: Callable[[EngineSample], None]) -> None:
@@ -127,6 +131,7 @@ class EngineWatch:
     async def poll_once(self) -> EngineSample | None:
         base = self.base_url()
         if base is None:
+            self.latest_text = None
             return None
         try:
             r = await self.client.get(f"{base}/metrics", timeout=max(1.0, self.interval_s))
@@ -134,7 +139,10 @@ class EngineWatch:
             sample = parse_sample(r.text, time.time())
         except (httpx.HTTPError, ValueError) as e:
             log.debug("engine metrics unavailable: %s", e)
+            self.latest_text = None
+            self.on_error()
             return None
+        self.latest_text = r.text
         if self.samples and sample.generation_tokens < self.samples[-1].generation_tokens:
             self.clear()  # a new engine: its counters restarted from zero, and a window across them means nothing
         self.samples.append(sample)

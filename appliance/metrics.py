@@ -1,5 +1,8 @@
 """Prometheus metrics at /metrics (prometheus-client): the gateway's own figures, and the engine's key
-figures re-exported from its private port (which is not reachable from outside the box)."""
+figures re-exported from its private port (which is not reachable from outside the box).
+
+The engine's figures come from the engine watch's last poll (every 2 s), not from a call to the engine
+per scrape: a scrape must answer at once whatever the engine is doing, and the engine is read once."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,18 +27,29 @@ ENGINE_FAMILIES = frozenset({
     "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
     "vllm:cache_config_info",
 })
+_ENGINE_PREFIXES = tuple(ENGINE_FAMILIES)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
 
 
 class _EngineFamilies:
-    """A collector that yields the families last scraped from the engine."""
+    """A collector that yields the dashboard's families from the engine's last /metrics text."""
 
     def __init__(self) -> None:
-        self.families: list[Metric] = []
+        self.source: Callable[[], str | None] = lambda: None
 
     def collect(self) -> Iterable[Metric]:
-        return list(self.families)
+        text = self.source()
+        if not text:
+            return []
+        # Only the wanted families' lines go to the parser: the rest is hundreds of histogram buckets.
+        wanted = "\n".join(line for line in text.splitlines() if line.removeprefix("# HELP ").removeprefix(
+            "# TYPE ").startswith(_ENGINE_PREFIXES))
+        try:
+            return [f for f in text_string_to_metric_families(wanted) if f.name in ENGINE_FAMILIES]
+        except ValueError as e:  # the engine wrote something the parser does not take: skip, do not fail the scrape
+            log.debug("engine metrics unreadable: %s", e)
+            return []
 
 
 class _CascadeFigures:
@@ -85,7 +98,7 @@ class Metrics:
                                   ["route", "class"], buckets=LATENCY_BUCKETS, registry=r)
         self.engine_up = Gauge("appliance_engine_state", "1 for the engine's current state", ["state"], registry=r)
         self.engine_restarts = Counter("appliance_engine_restarts", "Engine restarts by the supervisor", registry=r)
-        self.engine_scrape_errors = Counter("appliance_engine_scrape_errors", "Failed reads of the engine's /metrics",
+        self.engine_scrape_errors = Counter("appliance_engine_scrape_errors", "Failed polls of the engine's /metrics",
                                             registry=r)
         self.model_info = Gauge("appliance_model_info", "The served model's artifact digest (1 = this one)",
                                 ["model", "digest", "matches_pin"], registry=r)
@@ -143,18 +156,9 @@ class Metrics:
             self.engine_restarts.inc(st.restarts - self._restarts_seen)
             self._restarts_seen = st.restarts
 
-    async def scrape_engine(self, client: httpx.AsyncClient, base_url: str | None) -> None:
-        if base_url is None:
-            self._engine.families = []
-            return
-        try:
-            r = await client.get(f"{base_url}/metrics", timeout=2.0)
-            r.raise_for_status()
-            self._engine.families = [f for f in text_string_to_metric_families(r.text) if f.name in ENGINE_FAMILIES]
-        except (httpx.HTTPError, ValueError) as e:
-            self.engine_scrape_errors.inc()
-            self._engine.families = []
-            log.debug("engine metrics unavailable: %s", e)
+    def attach_engine(self, source: Callable[[], str | None]) -> None:
+        """Where the engine's last /metrics text comes from (the engine watch); None while there is none."""
+        self._engine.source = source
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

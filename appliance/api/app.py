@@ -57,7 +57,6 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         proxy.metrics.observe_engine(supervisor.status)
         if proxy.admission is not None:
             proxy.metrics.observe_admission(proxy.admission.load())
-        await proxy.metrics.scrape_engine(proxy.client, supervisor.base_url)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/appliance/status")

@@ -16,13 +16,19 @@ from appliance.store import RequestLog
 
 
 def app(tmp_path: Path, required: bool, ttl: float = 5.0):
+    cfg, application, log, _ = gateway(tmp_path, required, ttl)
+    return cfg, application, log
+
+
+def gateway(tmp_path: Path, required: bool, ttl: float = 5.0):
+    """app(), and the proxy behind it."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     log = RequestLog(cfg.database_path, keep_text=False)
     log.start()
     proxy = EngineProxy(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics())
     application = create_app(proxy, plan=lambda: {"fits": True}, verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl),
                      keys_required=required)
-    return cfg, application, log
+    return cfg, application, log, proxy
 
 
 def call(app, method: str, path: str, key: str | None = None, json: dict | None = None, header: str = "bearer"):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+
 from appliance import keys
+from appliance.engine.args import build_launch
 from appliance.engine.supervisor import EngineState, EngineStatus
+from appliance.engine_watch import EngineWatch
 from appliance.metrics import Metrics
 from appliance.store import RequestRecord
-from tests.unit.inprocess import app, call
+from tests.unit.inprocess import app, call, gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -45,3 +51,78 @@ def test_streamed_latencies_and_restarts():
     assert _value(text, 'appliance_time_per_output_token_seconds_sum{class="silver",route="/v1/completions"}') == 0.05
     assert _value(text, "appliance_engine_restarts_total") == 2
     assert _value(text, 'appliance_engine_state{state="restarting"}') == 1
+
+
+# As vLLM writes it (prometheus-client's text format: a counter's HELP and TYPE carry _total).
+ENGINE_TEXT = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.\n"
+    "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+    'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 7.0\n'
+    'vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 7.0\n'
+    "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n"
+    "# TYPE vllm:prefix_cache_queries_total counter\n"
+    'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 40.0\n'
+)
+
+
+def test_engine_figures_come_from_the_watchs_last_text():
+    m = Metrics()
+    text: list[str | None] = [ENGINE_TEXT]
+    m.attach_engine(lambda: text[0])
+    out = m.render().decode()
+    assert _value(out, 'vllm:num_requests_running{engine="0",model_name="m"}') == 2
+    assert _value(out, 'vllm:kv_cache_usage_perc{engine="0",model_name="m"}') == 0.25
+    assert _value(out, 'vllm:prefix_cache_queries_total{engine="0",model_name="m"}') == 40
+    assert "e2e_request_latency" not in out  # not a dashboard family
+    text[0] = None  # the last poll failed: no stale engine figures
+    assert "vllm:" not in m.render().decode()
+    text[0] = "vllm:num_requests_running{ 1\n"  # garbage from the engine fails no scrape
+    assert "appliance_requests" in m.render().decode()
+
+
+def test_a_scrape_never_calls_the_engine(tmp_path):
+    """GET /metrics answers from the engine watch's last poll, whatever the engine is doing now."""
+    calls: list[str] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(200, text=ENGINE_TEXT)
+
+    cfg, application, log, proxy = gateway(tmp_path, required=False)
+    # An engine that answers, on the proxy's own client: a scrape that still called it would be seen.
+    proxy.supervisor.launch = build_launch(cfg, [], 8123, "k")
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    watch = EngineWatch(proxy.client, lambda: proxy.supervisor.base_url,
+                        on_error=proxy.metrics.engine_scrape_errors.inc)
+    proxy.metrics.attach_engine(lambda: watch.latest_text)
+    try:
+        asyncio.run(watch.poll_once())
+        assert calls == ["/metrics"]
+        text = call(application, "GET", "/metrics").text
+        assert calls == ["/metrics"]  # the scrape itself did not reach the engine
+        assert _value(text, 'vllm:num_requests_running{engine="0",model_name="m"}') == 2
+    finally:
+        log.close()
+
+
+def test_a_failed_poll_is_counted_and_forgets_the_last_text():
+    answers = iter([httpx.Response(200, text=ENGINE_TEXT), httpx.Response(503, text="loading")])
+    m = Metrics()
+
+    async def scenario() -> list[str | None]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: next(answers))) as client:
+            watch = EngineWatch(client, lambda: "http://engine", on_error=m.engine_scrape_errors.inc)
+            seen = []
+            for _ in range(2):
+                await watch.poll_once()
+                seen.append(watch.latest_text)
+            return seen
+
+    assert asyncio.run(scenario()) == [ENGINE_TEXT, None]
+    assert _value(m.render().decode(), "appliance_engine_scrape_errors_total") == 1
