@@ -29,6 +29,7 @@ from appliance.config import load as load_config
 from appliance.planning import PlanningError, SitePlan, plan_for_config
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
+from appliance.loop_monitor import LoopMonitor
 from appliance.escalation import build_cascade
 from appliance.keys import KeyVerifier
 from appliance.metrics import Metrics
@@ -100,6 +101,7 @@ class Daemon:
                               verifier=self.verifier, keys_required=self.keys_required, status=self.status,
                               doctor=self.doctor)
         self.notifier = Notifier()
+        self.loop_monitor = LoopMonitor(on_stall=self.metrics.loop_stalls.observe)
         self._server: uvicorn.Server | None = None
         self._ready_sent = False
         self._speculation_off: str | None = None  # why the daemon turned speculative decoding off, if it did
@@ -182,6 +184,7 @@ class Daemon:
         await self.supervisor.start()
         background = [asyncio.create_task(self._extend_start_timeout()), asyncio.create_task(self._watchdog()),
                       asyncio.create_task(self.engine_watch.run()),
+                      asyncio.create_task(self.loop_monitor.run(), name="loop-monitor"),
                       asyncio.create_task(self._act_on_recipes(), name="doctor")]
         if self.cascade is not None and self.cascade.forwarder is not None:
             background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))

@@ -114,6 +114,9 @@ class Metrics:
                                registry=r)
         self.forwarded = Counter("appliance_outbox_sends", "Forwarder sends by result: delivered, retry, "
                                  "link_down, rejected, gave_up", ["result"], registry=r)
+        self.loop_stalls = Histogram("appliance_event_loop_stall_seconds", "Stalls of the daemon's event loop "
+                                     "over a second, by length (every request waited that long)",
+                                     buckets=(1, 2, 5, 10, 30, 60), registry=r)
         self.doctor_actions = Counter("appliance_doctor_actions", "Changes the daemon made on the doctor's "
                                       "findings, by action", ["action"], registry=r)
         self._engine = _EngineFamilies()

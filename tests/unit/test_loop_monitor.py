@@ -1,0 +1,44 @@
+"""The loop monitor names where a blocked event loop is stuck, and stays quiet while it turns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from appliance.loop_monitor import LoopMonitor
+
+
+def _stuck_in_a_synchronous_call(seconds: float) -> None:
+    time.sleep(seconds)  # what a blocking call in a request handler does to every other request
+
+
+async def _scenario(block_s: float, turn_s: float) -> list[float]:
+    stalls: list[float] = []
+    monitor = LoopMonitor(threshold_s=0.5, interval_s=0.05, on_stall=stalls.append)
+    task = asyncio.create_task(monitor.run())
+    await asyncio.sleep(0.2)
+    if block_s:
+        _stuck_in_a_synchronous_call(block_s)
+    await asyncio.sleep(turn_s)  # turning again: the watcher sees the stall end
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return stalls
+
+
+def test_a_blocked_loop_is_reported_with_its_stack_and_counted(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.WARNING, logger="appliance.loop_monitor"):
+        stalls = asyncio.run(_scenario(block_s=1.5, turn_s=0.5))
+    assert len(stalls) == 1 and 1.0 <= stalls[0] <= 3.0, stalls
+    blocked = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
+    assert len(blocked) == 1, caplog.text
+    assert "_stuck_in_a_synchronous_call" in blocked[0]  # the operator sees where it is stuck
+    assert any("turning again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_turning_loop_is_not_reported(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.WARNING, logger="appliance.loop_monitor"):
+        stalls = asyncio.run(_scenario(block_s=0, turn_s=1.0))
+    assert stalls == [] and not caplog.records
