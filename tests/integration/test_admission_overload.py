@@ -65,8 +65,9 @@ def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
 
 
 def _metric(app: RunningAppliance, pattern: str) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=15).text
-    m = re.search(pattern, text, re.M)
+    r = httpx.get(f"{app.url}/metrics", timeout=60)
+    assert r.status_code == 200, f"GET /metrics: {r.status_code} {r.text[:500]}"  # not a silent 0
+    m = re.search(pattern, r.text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -96,20 +97,52 @@ def _stream(app: RunningAppliance, key: str, max_tokens: int) -> dict:
     return out
 
 
+class _Reader(threading.Thread):
+    """A long stream read as it arrives, until `stop` (then the client leaves): when each chunk came, and
+    any error event. Read, not left unread: a client that stops reading holds its slot only as long as
+    the socket buffers take to fill, which the kernel decides, not the test."""
+
+    def __init__(self, app: RunningAppliance, key: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.app, self.key, self.body = app, key, body
+        self.chunks: list[float] = []
+        self.errors: list[str] = []
+        self.status: int | None = None
+        self.ended_by_itself = False
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.app.url}/v1/completions", json=self.body, timeout=180,
+                          headers={"Authorization": f"Bearer {self.key}"}) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if '"error"' in line:
+                        self.errors.append(line)
+                    self.chunks.append(time.monotonic())
+                if self.stop.is_set():
+                    return  # leaving the block closes the stream: the client went away
+            self.ended_by_itself = True
+
+
 @contextmanager
-def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[None]:
+def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[_Reader]:
     """Hold one engine slot until the block ends: a long stream, closed (and so aborted) on exit.
 
     The test, not the engine's speed, decides when the slot frees: a fixed-length answer raced the
-    rest of the test on a fast box and held the slot too long on a slow one.
+    rest of the test on a fast box and held the slot too long on a slow one. 8000 tokens outlast any
+    block here by minutes.
     """
-    body = _sea(app, 1800)
-    with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
-        assert r.status_code == 200, r.read()
-        lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream
-        assert next(line for line in lines if line.startswith("data: {"))
-        yield
+    reader = _Reader(app, key, _sea(app, 8000))
+    reader.start()
+    try:
+        wait_for(lambda: reader.chunks or not reader.is_alive(), 120, what="the held stream's first tokens")
+        assert reader.status == 200 and reader.chunks, f"the held stream: {reader.status} {reader.errors}"
+        yield reader
+        assert not reader.ended_by_itself, "the held stream ran out of tokens before the test let go"
+    finally:
+        reader.stop.set()
+        reader.join(60)
 
 
 def test_gold_first_bronze_refused_early_with_retry_after(small):
@@ -122,15 +155,15 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
     # Fill both slots: silver takes the shared slot, gold its reserved one.
     with ExitStack() as long_gold, ExitStack() as long_silver:
         long_silver.enter_context(_holding_a_slot(app, secret["silver"]))
-        wait_for(lambda: in_flight("silver") == 1, 30, what="silver to hold the shared slot")
+        wait_for(lambda: in_flight("silver") == 1, 60, what="silver to hold the shared slot")
         long_gold.enter_context(_holding_a_slot(app, secret["gold"]))
-        wait_for(lambda: in_flight("gold") == 1, 30, what="gold to hold its reserved slot")
+        wait_for(lambda: in_flight("gold") == 1, 60, what="gold to hold its reserved slot")
 
         # The engine is full. Silver queues first, gold after it.
         silver: Future = pool.submit(_stream, app, secret["silver"], 4)
-        wait_for(lambda: queued("silver") == 1, 30, what="silver to queue")
+        wait_for(lambda: queued("silver") == 1, 60, what="silver to queue")
         gold: Future = pool.submit(_stream, app, secret["gold"], 4)
-        wait_for(lambda: queued("gold") == 1, 30, what="gold to queue")
+        wait_for(lambda: queued("gold") == 1, 60, what="gold to queue")
 
         # Bronze cannot be served within its 1 s target: refused at once, not after waiting.
         t = time.monotonic()
@@ -171,39 +204,14 @@ def test_a_client_leaving_the_queue_gives_its_place_up(small):
     in_flight = lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$')  # noqa: E731
     wait_for(lambda: in_flight() == 0, 60, what="an idle gate")
     with _holding_a_slot(app, secret["silver"]):  # the only slot silver may use
-        wait_for(lambda: in_flight() == 1, 30, what="silver to hold the shared slot")
+        wait_for(lambda: in_flight() == 1, 60, what="silver to hold the shared slot")
         body = {"model": app.served_name, "prompt": "hi", "max_tokens": 2}
         with send_raw(app.port, "/v1/completions", body, {"Authorization": f"Bearer {secret['silver']}"}):
-            wait_for(lambda: queued() == 1, 30, what="the second silver request to queue")
+            wait_for(lambda: queued() == 1, 60, what="the second silver request to queue")
         # The client went away while queued: its place is given up, not served to nobody.
-        wait_for(lambda: queued() == 0, 10, what="the abandoned request to leave the queue")
+        wait_for(lambda: queued() == 0, 30, what="the abandoned request to leave the queue")
         assert in_flight() == 1
-    wait_for(lambda: in_flight() == 0, 30, what="the slot to free")
-
-
-class _Bystander(threading.Thread):
-    """A long sampled stream read as it arrives: when each chunk came, and any error event."""
-
-    def __init__(self, app: RunningAppliance, key: str) -> None:
-        super().__init__(daemon=True)
-        self.app, self.key = app, key
-        self.chunks: list[float] = []
-        self.errors: list[str] = []
-        self.status: int | None = None
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        body = _sea(self.app, 8000, temperature=0.8, seed=7)
-        with httpx.stream("POST", f"{self.app.url}/v1/completions", json=body, timeout=180,
-                          headers={"Authorization": f"Bearer {self.key}"}) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    if '"error"' in line:
-                        self.errors.append(line)
-                    self.chunks.append(time.monotonic())
-                if self.stop.is_set():
-                    return  # leaving the block closes the stream: the client went away
+    wait_for(lambda: in_flight() == 0, 60, what="the slot to free")
 
 
 def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):
@@ -226,7 +234,7 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
     wait_for(lambda: app.log_text().count("configuration reloaded") > reloads, 10, what="the reload")
     assert "take effect at the next restart" not in app.log_text()
 
-    bystander = _Bystander(app, secret["silver"])
+    bystander = _Reader(app, secret["silver"], _sea(app, 8000, temperature=0.8, seed=7))
     bystander.start()
     try:
         wait_for(lambda: bystander.chunks, 60, what="the bystander's first tokens")
