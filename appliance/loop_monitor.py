@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from types import FrameType
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class LoopMonitor:
         self.interval_s = interval_s
         self.on_stall = on_stall  # called with a stall's length once the loop turns again
         self._beat = time.monotonic()
+        self._beat_cpu = time.process_time()
         self._loop_thread: int | None = None
         self._stop = threading.Event()
 
@@ -39,25 +41,52 @@ class LoopMonitor:
         watcher.start()
         try:
             while True:
-                self._beat = time.monotonic()
+                self._beat, self._beat_cpu = time.monotonic(), time.process_time()
                 await asyncio.sleep(self.interval_s)
         finally:
             self._stop.set()
 
     def _watch(self) -> None:
         longest = 0.0  # of the stall going on, 0 when none is
+        cpu_at_start, in_loop = 0.0, False
         while not self._stop.wait(self.interval_s):
-            lag = time.monotonic() - self._beat
+            beat, beat_cpu = self._beat, self._beat_cpu
+            lag = time.monotonic() - beat
             if lag > self.threshold_s:
                 if not longest:
+                    cpu_at_start = beat_cpu
+                    frame = self._loop_frame()
+                    in_loop = frame is not None and frame.f_code.co_name in _LOOP_OWN
+                    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unavailable)"
                     log.warning("event loop blocked for %.1f s so far; every request waits. The loop is at:\n%s",
-                                lag, self._loop_stack())
+                                lag, stack)
                 longest = max(longest, lag)
             elif longest:
-                log.warning("event loop turning again after a %.1f s stall", longest)
+                log.warning("event loop turning again after a %.1f s stall: %s", longest,
+                            explain(in_loop, time.process_time() - cpu_at_start, longest, _cpu_pressure()))
                 self.on_stall(longest)
                 longest = 0.0
 
-    def _loop_stack(self) -> str:
-        frame = sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
-        return "".join(traceback.format_stack(frame)) if frame is not None else "(stack unavailable)"
+    def _loop_frame(self) -> FrameType | None:
+        return sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
+
+
+# The innermost frame when the loop runs no Python code of ours: it waits in the event loop's own code.
+_LOOP_OWN = frozenset({"run_until_complete", "run_forever", "_run_once", "select"})
+
+
+def explain(in_loop: bool, cpu_s: float, stall_s: float, cpu_pressure: str | None) -> str:
+    """What a stall was: a daemon stuck in its own code, or one the machine gave no CPU."""
+    if in_loop and cpu_s < stall_s / 4:
+        return (f"the loop was not running any of the daemon's code and the daemon got {cpu_s:.1f} s of CPU: "
+                f"the machine is short of CPU (CPU pressure {cpu_pressure or 'unknown'}); look at what else runs")
+    return (f"the daemon ran {cpu_s:.1f} s of CPU in it; the stack logged when it began shows the call that "
+            "held the loop, which belongs in a thread")
+
+
+def _cpu_pressure() -> str | None:
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().split()[1]  # "avg10=…" of "some": the share of time tasks waited for a CPU
+    except (OSError, IndexError):
+        return None

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from appliance.loop_monitor import LoopMonitor
+from appliance.loop_monitor import LoopMonitor, explain
 
 
 def _stuck_in_a_synchronous_call(seconds: float) -> None:
@@ -35,10 +35,19 @@ def test_a_blocked_loop_is_reported_with_its_stack_and_counted(caplog: pytest.Lo
     blocked = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
     assert len(blocked) == 1, caplog.text
     assert "_stuck_in_a_synchronous_call" in blocked[0]  # the operator sees where it is stuck
-    assert any("turning again" in r.getMessage() for r in caplog.records)
+    again = [r.getMessage() for r in caplog.records if "turning again" in r.getMessage()]
+    assert len(again) == 1 and "belongs in a thread" in again[0], again
 
 
 def test_a_turning_loop_is_not_reported(caplog: pytest.LogCaptureFixture):
     with caplog.at_level(logging.WARNING, logger="appliance.loop_monitor"):
         stalls = asyncio.run(_scenario(block_s=0, turn_s=1.0))
     assert stalls == [] and not caplog.records
+
+
+def test_a_stall_without_our_code_on_the_stack_and_without_cpu_is_the_machines():
+    starved = explain(in_loop=True, cpu_s=0.1, stall_s=3.0, cpu_pressure="avg10=62.10")
+    assert "short of CPU" in starved and "avg10=62.10" in starved
+    # our own code on the stack, or a daemon that was busy all along: the call is to blame
+    assert "belongs in a thread" in explain(in_loop=False, cpu_s=0.0, stall_s=3.0, cpu_pressure="avg10=62.10")
+    assert "belongs in a thread" in explain(in_loop=True, cpu_s=2.9, stall_s=3.0, cpu_pressure=None)
