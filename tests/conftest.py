@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support import RUNNING, RunningAppliance, start_appliance
@@ -15,6 +17,8 @@ def pytest_runtest_makereport(item, call):
     """A failed test's report carries the tail of every live appliance's log (the daemon's side of it)."""
     outcome = yield
     report = outcome.get_result()
+    if report.failed and RUNNING:
+        report.sections.append(("machine", _machine_load()))
     if report.failed:
         for app in RUNNING:
             try:
@@ -25,6 +29,17 @@ def pytest_runtest_makereport(item, call):
             engine = [line for line in lines if ENGINE_LOGGER in line][-ENGINE_LINES:]
             report.sections.append((f"appliance log: {app.log_path} (daemon)", "\n".join(daemon)))
             report.sections.append((f"appliance log: {app.log_path} (engine)", "\n".join(engine)))
+
+
+def _machine_load() -> str:
+    """How busy the box was when the test failed: a starved machine reads like a slow appliance."""
+    lines = []
+    for path in ("/proc/loadavg", "/proc/pressure/cpu", "/proc/pressure/memory", "/proc/pressure/io"):
+        try:
+            lines += [f"{path}: {line}" for line in Path(path).read_text().splitlines()]
+        except OSError:
+            pass
+    return "\n".join(lines) or "(no load figures on this system)"
 
 
 @pytest.fixture(scope="session")
