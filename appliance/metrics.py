@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.admission import Load
 from appliance.engine.supervisor import EngineState, EngineStatus
+from appliance.engine_watch import lines_for
 from appliance.store import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,9 @@ class _EngineFamilies:
         text = self.source()
         if not text:
             return []
-        # Only the wanted families' lines go to the parser: the rest is hundreds of histogram buckets.
-        wanted = "\n".join(line for line in text.splitlines() if line.removeprefix("# HELP ").removeprefix(
-            "# TYPE ").startswith(_ENGINE_PREFIXES))
         try:
-            return [f for f in text_string_to_metric_families(wanted) if f.name in ENGINE_FAMILIES]
+            return [f for f in text_string_to_metric_families(lines_for(text, _ENGINE_PREFIXES))
+                    if f.name in ENGINE_FAMILIES]
         except ValueError as e:  # the engine wrote something the parser does not take: skip, do not fail the scrape
             log.debug("engine metrics unreadable: %s", e)
             return []
