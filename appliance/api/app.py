@@ -73,6 +73,17 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
             raise ApiError(404, "no doctor in this daemon", code="not_found")
         return await doctor()
 
+    @app.get("/v1/appliance/requests")
+    async def appliance_requests() -> dict[str, Any]:
+        """The generation requests the gateway holds now, oldest first: phase, age, and for a stream the
+        chunks read from the engine and handed to the client (with the seconds since each last moved)."""
+        out: dict[str, Any] = {"object": "list", "data": proxy.inflight.snapshot(),
+                               "engine_local_in_flight": proxy.local_in_flight}
+        if proxy.admission is not None:
+            load = proxy.admission.load()
+            out["admission"] = {"in_flight": dict(load.in_flight), "queued": dict(load.queued)}
+        return out
+
     @app.get("/v1/appliance/plan")
     async def appliance_plan() -> dict[str, Any]:
         """The KV budget and engine settings the daemon started the engine with."""

@@ -29,6 +29,7 @@ from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
 from appliance.api.errors import ApiError, error_body
+from appliance.api.inflight import Flight, InFlight
 from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
@@ -78,6 +79,7 @@ class EngineProxy:
         self._local: set[_Lease] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.inflight = InFlight()  # every generation request from its job to its request-log entry
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -204,16 +206,25 @@ class EngineProxy:
         )
         job = _Job(rec=rec, t0=t0, body=body, original=dict(body), stream=stream,
                    client_wants_usage=client_wants_usage, cls=cls, tenant=key.tenant if key else None,
-                   decision=decision, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+                   decision=decision, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                   flight=self.inflight.start(rec, Flight(rid, route, cls, stream)))
+        try:
+            return await self._route(request, job, base)
+        except BaseException:
+            self.inflight.end(rec)  # whatever the error, the request is over
+            raise
+
+    async def _route(self, request: Request, job: "_Job", base: str | None) -> Response:
+        decision = job.decision
         if base is None:
             return await self._answer_regionally(request, job, base)
         if decision is not None and decision.action == "escalate_now":
-            if decision.mode == "sync" or parsed.model != self.settings.served_name:
+            if decision.mode == "sync" or job.rec.model != self.settings.served_name:
                 return await self._answer_regionally(request, job, base)
             job.escalation = await self._escalate(job, sync=False, reason=decision.reason)
         elif decision is not None and decision.action == "local_then_judge":
             job.judge = True
-            job.client_wants_logprobs = answers.request_logprobs(body, chat=route == "/v1/chat/completions")
+            job.client_wants_logprobs = answers.request_logprobs(job.body, chat=job.rec.route == "/v1/chat/completions")
         if self.cascade is not None:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
@@ -255,6 +266,7 @@ class EngineProxy:
         rec, decision = job.rec, job.decision
         assert decision is not None and self.cascade is not None
         reason = decision.reason if decision.action == "escalate_now" else "the local engine is not ready"
+        job.flight.enter("regional")
         result = await self._escalate(job, sync=True, reason=reason)
         job.escalation = result
         if result.outcome == "answered" and result.answer is not None:
@@ -286,6 +298,7 @@ class EngineProxy:
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body["stream_options"] = opts
+        job.flight.enter("admission")
         try:
             ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens))
         except ApiError as e:
@@ -327,6 +340,7 @@ class EngineProxy:
         upstream_req = self.client.build_request(
             "POST", f"{base}{rec.route}", content=json.dumps(body).encode(), headers=self._auth(rec.id)
         )
+        job.flight.enter("engine")
         try:
             upstream = await self._send_watching_disconnect(request, upstream_req)
         except _ClientGone:
@@ -342,6 +356,7 @@ class EngineProxy:
         if job.decision is not None:
             headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
         if upstream.status_code != 200 or not job.stream:
+            job.flight.enter("reading")
             try:
                 content = await self._read_watching_disconnect(request, upstream)
             except _ClientGone:
@@ -357,6 +372,8 @@ class EngineProxy:
             return self._finish_plain(rec, t0, upstream.status_code, content, headers)
 
         rec.status = 200
+        job.flight.enter("streaming")
+
         def first_token() -> None:
             if self.admission is not None:
                 self.admission.observe_prefill(job.prompt_tokens, time.perf_counter() - admitted)
@@ -365,11 +382,12 @@ class EngineProxy:
             # Runs however the response ends, even when the client left before the relay started
             # (then the generator never ran and only this closes the upstream and frees the slot).
             lease.end()
+            self.inflight.end(rec)  # normally gone already (the request log's entry); not when the send failed
             await upstream.aclose()
 
         return _ClosingStream(
             self._relay(upstream, rec, t0, strip_usage=not job.client_wants_usage, on_first=first_token,
-                        judge=self._stream_judge(job) if job.judge else None),
+                        judge=self._stream_judge(job) if job.judge else None, flight=job.flight),
             on_close=on_close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -446,11 +464,13 @@ class EngineProxy:
 
     async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool,
                      on_first: Callable[[], None] = lambda: None,
-                     judge: "_StreamJudge | None" = None) -> AsyncIterator[bytes]:
+                     judge: "_StreamJudge | None" = None, flight: Flight | None = None) -> AsyncIterator[bytes]:
         buf = b""
         texts: list[str] | None = [] if rec.prompt is not None else None
         try:
             async for chunk in upstream.aiter_raw():
+                if flight is not None:
+                    flight.received()
                 if rec.ttft_ms is None:
                     rec.ttft_ms = (time.perf_counter() - t0) * 1000
                     on_first()
@@ -467,6 +487,8 @@ class EngineProxy:
                     ready = head + await judge.after(judge.acc.result()) + _DONE + tail
                 if ready:
                     yield ready
+                    if flight is not None:
+                        flight.sent()
             if buf:
                 yield buf
         except httpx.HTTPError as e:
@@ -524,6 +546,7 @@ class EngineProxy:
         self._record(rec, t0)
 
     def _record(self, rec: RequestRecord, t0: float) -> None:
+        self.inflight.end(rec)
         rec.total_ms = (time.perf_counter() - t0) * 1000
         if self.metrics is not None:
             self.metrics.observe_request(rec, rec.extra.get("class"))
@@ -564,6 +587,7 @@ class _Job:
     decision: Decision | None
     prompt_tokens: int  # estimated once (see _estimate_tokens) for the policy, admission and prefill speed
     max_tokens: int | None
+    flight: Flight  # its line in GET /v1/appliance/requests until the request log has it
     judge: bool = False  # auto policy: judge the local answer's confidence
     client_wants_logprobs: bool = False
     escalation: EscalationResult | None = None

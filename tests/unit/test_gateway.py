@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -25,3 +26,58 @@ def test_request_ids_from_clients_are_kept_only_when_plain(tmp_path):
         assert asyncio.run(go("bad id\twith tab")).startswith("req-")
     finally:
         log.close()
+
+
+def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
+    """GET /v1/appliance/requests: a stream the engine has begun shows as streaming with a chunk from the
+    engine handed to the client; once it ends, and after an engine error, the list is empty again."""
+    from appliance.engine.args import build_launch
+    from appliance.engine.supervisor import EngineState
+    from tests.unit.inprocess import gateway
+
+    release = asyncio.Event()
+
+    async def events():
+        yield b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+        await release.wait()
+        yield b'data: {"choices":[{"index":0,"text":"b"}]}\n\ndata: [DONE]\n\n'
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content).get("max_tokens") == 1:
+            return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    cfg, application, log, proxy = gateway(tmp_path, required=False)
+    proxy.supervisor.launch = build_launch(cfg, [], 8123, "k")
+    proxy.supervisor.status.state = EngineState.READY
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t") as c:
+            # httpx's ASGI transport hands the body over only once it is complete: the stream is a task
+            streaming = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "m", "prompt": "hi", "stream": True}, headers={"X-Request-Id": "held-1"}))
+            for _ in range(200):
+                during = (await c.get("/v1/appliance/requests")).json()
+                if during["data"] and during["data"][0]["chunks_to_client"]:
+                    break
+                await asyncio.sleep(0.01)
+            release.set()
+            done = await streaming
+            after = (await c.get("/v1/appliance/requests")).json()
+            failed = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+            after_error = (await c.get("/v1/appliance/requests")).json()
+            return during, done, after, failed, after_error
+
+    try:
+        during, done, after, failed, after_error = asyncio.run(scenario())
+    finally:
+        log.close()
+    (held,) = during["data"]
+    assert held["id"] == "held-1" and held["class"] == "silver" and held["stream"] is True
+    assert held["phase"] == "streaming" and held["chunks_from_engine"] == 1 and held["chunks_to_client"] == 1
+    assert held["since_engine_s"] >= 0 and held["age_s"] >= held["since_client_s"] >= 0
+    assert during["engine_local_in_flight"] == 1
+    assert done.status_code == 200 and '"text":"b"' in done.text
+    assert after["data"] == [] and after["engine_local_in_flight"] == 0
+    assert failed.status_code == 500 and after_error["data"] == []
