@@ -19,7 +19,7 @@ import signal
 
 import uvicorn
 
-from appliance import __version__, doctor
+from appliance import __version__, doctor, state_dump
 from appliance.admission import AdmissionConfig, AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
@@ -179,6 +179,7 @@ class Daemon:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self._on_stop_signal, server, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
+        loop.add_signal_handler(signal.SIGUSR1, self._dump_state)
         self.supervisor.add_listener(self._on_engine_state)
         self.notifier.status("starting: loading model")
         await self.supervisor.start()
@@ -329,6 +330,10 @@ class Daemon:
         left = await self.proxy.drained(limit)
         if left:
             log.warning("%d request(s) still running after %gs are cut off by the relaunch", left, limit)
+
+    def _dump_state(self) -> None:
+        """SIGUSR1: what the daemon is doing now, to the log (appliance.state_dump)."""
+        log.warning("%s", state_dump.render(self.proxy.inflight.snapshot()))
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""
