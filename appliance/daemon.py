@@ -90,7 +90,9 @@ class Daemon:
             self.admission,
             self.cascade,
         )
-        self.engine_watch = EngineWatch(self.proxy.client, lambda: self.supervisor.base_url,
+        # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
+        self.engine_watch = EngineWatch(self.proxy.client,
+                                        lambda: self.supervisor.base_url if self.supervisor.ready else None,
                                         on_error=self.metrics.engine_scrape_errors.inc)
         self.metrics.attach_engine(lambda: self.engine_watch.latest_text)
         if self.admission is not None:
