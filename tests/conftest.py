@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.support import RUNNING, RunningAppliance, start_appliance
+from appliance import state_dump
+from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance
 
-DAEMON_LINES, ENGINE_LINES = 60, 15
+DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
 ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines
 
 
@@ -19,6 +23,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed and RUNNING:
         report.sections.append(("machine", _machine_load()))
+        report.sections.append(("this test process's other threads", other_threads()))
     if report.failed:
         for app in RUNNING:
             try:
@@ -29,6 +34,25 @@ def pytest_runtest_makereport(item, call):
             engine = [line for line in lines if ENGINE_LOGGER in line][-ENGINE_LINES:]
             report.sections.append((f"appliance log: {app.log_path} (daemon)", "\n".join(daemon)))
             report.sections.append((f"appliance log: {app.log_path} (engine)", "\n".join(engine)))
+            # after the tails, which the dump would otherwise fill
+            report.sections.append((f"appliance {app.url}: its sockets", sockets(app)))
+            report.sections.append((f"appliance {app.url}: state dump", _state_dump(app)))
+
+
+def _state_dump(app: RunningAppliance) -> str:
+    """SIGUSR1 makes the daemon log its requests in flight, tasks and threads (appliance.state_dump)."""
+    if app.proc.poll() is not None:
+        return f"(exited with {app.proc.returncode})"
+    start = len(app.log_text())
+    os.kill(app.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = app.log_text()[start:]
+        if state_dump.END in new:
+            lines = new[new.index(state_dump.HEADER):new.index(state_dump.END)].splitlines()
+            return "\n".join(lines[:DUMP_LINES])
+        time.sleep(0.2)
+    return "(no state dump within 10 s: the daemon's event loop did not run the handler)"
 
 
 def _machine_load() -> str:

@@ -8,7 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,11 +194,53 @@ def start_appliance(directory: Path, env: dict[str, str] | None = None, **config
     return running
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", explain=None):
+    """Poll until `predicate` is true; on timeout fail, with `explain()` (what was going on) when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    detail = f"\n{explain()}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
+
+
+def sockets(app: RunningAppliance) -> str:
+    """Its API and engine ports' TCP connections with their queues: bytes waiting to be read (Recv-Q) or
+    not yet taken by the peer (Send-Q) tell a reader that stopped from a writer that did."""
+    ports = " or ".join(f"sport = :{p} or dport = :{p}" for p in (app.port, app.engine_port))
+    try:
+        out = subprocess.run(["ss", "-tnpiH", "state", "all", "exclude", "time-wait", f"( {ports} )"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(ss: {e})"
+    # ss pads its columns to the terminal's width: one space apart is enough to read
+    lines = [" ".join(line.split()) for line in (out.stdout or out.stderr).splitlines()]
+    return "state recv-q send-q local peer process (then its TCP info)\n" + "\n".join(line for line in lines if line)
+
+
+def other_threads() -> str:
+    """Where this process's other threads (stream readers, pools) are: connecting, waiting for headers, reading."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident != me:
+            out.append(f"thread {names.get(ident, '?')}:")
+            out += ["  " + line.rstrip() for line in traceback.format_stack(frame, limit=10)]
+    return "\n".join(out) or "(none)"
+
+
+def in_flight(app: RunningAppliance) -> str:
+    """The gateway's own view of its requests now (GET /v1/appliance/requests), for a failure message."""
+    try:
+        return json.dumps(httpx.get(f"{app.url}/v1/appliance/requests", timeout=10).json(), indent=1)
+    except (httpx.HTTPError, ValueError) as e:
+        return f"(GET /v1/appliance/requests: {type(e).__name__}: {e})"
+
+
+def snapshot(app: RunningAppliance) -> str:
+    """What a test that waited in vain saw at that moment, before its clean-up changes it."""
+    return (f"--- the gateway's requests in flight ---\n{in_flight(app)}\n"
+            f"--- sockets ---\n{sockets(app)}\n--- this process's other threads ---\n{other_threads()}")

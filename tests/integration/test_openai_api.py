@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sqlite3
 import time
 from pathlib import Path
@@ -278,3 +280,32 @@ def test_status_and_metrics_carry_the_model_digest(appliance: RunningAppliance):
     assert status["plan"]["max_model_len"] == 2048
     metrics = httpx.get(f"{appliance.url}/metrics").text
     assert f'digest="{digest}"' in metrics
+
+
+def test_a_held_stream_shows_in_the_requests_in_flight_and_in_the_state_dump(appliance: RunningAppliance):
+    """GET /v1/appliance/requests and SIGUSR1: what an operator looks at when a client says it hangs."""
+    body = {**_long_request(appliance, True), "prompt": "Write about the sea."}
+
+    def mine() -> list[dict]:
+        listed = httpx.get(f"{appliance.url}/v1/appliance/requests", timeout=30).json()["data"]
+        return [q for q in listed if q["id"] == "held-for-the-dump"]
+
+    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "held-for-the-dump"}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        (held,) = mine()
+        assert held["phase"] == "streaming" and held["stream"] is True and held["class"] == "silver"
+        assert held["chunks_from_engine"] >= 1 and held["chunks_to_client"] >= 1
+        start = len(appliance.log_text())
+        os.kill(appliance.proc.pid, signal.SIGUSR1)
+
+        def dumped() -> str | None:
+            text = appliance.log_text()[start:]
+            return text if "end of state dump" in text else None
+
+        dump = wait_for(dumped, 30, what="the state dump in the log")
+    assert '"id": "held-for-the-dump"' in dump and '"phase": "streaming"' in dump
+    assert "task api: " in dump and "task loop-monitor: " in dump  # every task, by name, with its stack
+    assert appliance.proc.poll() is None  # SIGUSR1 asks; it does not stop the daemon
+    wait_for(lambda: not mine(), 30, what="the closed stream to leave the requests in flight")
