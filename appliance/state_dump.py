@@ -25,17 +25,26 @@ def render(requests: Iterable[dict[str, Any]], tasks: Iterable[asyncio.Task[Any]
     requests = list(requests)
     tasks = list(asyncio.all_tasks() if tasks is None else tasks)
     frames = sys._current_frames() if frames is None else frames  # noqa: SLF001 (the documented way)
-    names = {t.ident: t.name for t in threading.enumerate()}
     out = [f"{HEADER}: {len(requests)} request(s) in flight, {len(tasks)} task(s), {len(frames)} thread(s)"]
     out += ["request " + json.dumps(r, sort_keys=True) for r in requests]
     for task in sorted(tasks, key=lambda t: t.get_name()):
         out.append(f"task {task.get_name()}: {_coro_name(task)}")
         out += ["    " + line.rstrip() for line in _frames_text(task.get_stack(limit=12))]
-    for ident, frame in frames.items():
-        out.append(f"thread {names.get(ident, '?')} ({ident}):")
-        out += ["    " + line.rstrip() for line in traceback.format_stack(frame, limit=12)]
+    out += thread_stacks(frames)
     out.append(END)
     return "\n".join(out)
+
+
+def thread_stacks(frames: dict[int, Any] | None = None, skip: int | None = None) -> list[str]:
+    """Each thread's name and innermost frames (but the thread `skip`), as lines to print."""
+    frames = sys._current_frames() if frames is None else frames  # noqa: SLF001 (the documented way)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in frames.items():
+        if ident != skip:
+            out.append(f"thread {names.get(ident, '?')} ({ident}):")
+            out += ["    " + line.rstrip() for line in traceback.format_stack(frame, limit=12)]
+    return out
 
 
 def _coro_name(task: asyncio.Task[Any]) -> str:

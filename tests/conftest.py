@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from appliance import state_dump
-from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance
+from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance, state_dump
 
 DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
 ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines
@@ -40,19 +36,13 @@ def pytest_runtest_makereport(item, call):
 
 
 def _state_dump(app: RunningAppliance) -> str:
-    """SIGUSR1 makes the daemon log its requests in flight, tasks and threads (appliance.state_dump)."""
+    """The daemon's requests in flight, tasks and threads (SIGUSR1), cut to DUMP_LINES."""
     if app.proc.poll() is not None:
         return f"(exited with {app.proc.returncode})"
-    start = len(app.log_text())
-    os.kill(app.proc.pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        new = app.log_text()[start:]
-        if state_dump.END in new:
-            lines = new[new.index(state_dump.HEADER):new.index(state_dump.END)].splitlines()
-            return "\n".join(lines[:DUMP_LINES])
-        time.sleep(0.2)
-    return "(no state dump within 10 s: the daemon's event loop did not run the handler)"
+    dump = state_dump(app)
+    if dump is None:
+        return "(no state dump within 10 s: the daemon's event loop did not run the handler)"
+    return "\n".join(dump.splitlines()[:DUMP_LINES])
 
 
 def _machine_load() -> str:

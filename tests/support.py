@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,14 +221,25 @@ def sockets(app: RunningAppliance) -> str:
 
 def other_threads() -> str:
     """Where this process's other threads (stream readers, pools) are: connecting, waiting for headers, reading."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    me = threading.get_ident()
-    out = []
-    for ident, frame in sys._current_frames().items():
-        if ident != me:
-            out.append(f"thread {names.get(ident, '?')}:")
-            out += ["  " + line.rstrip() for line in traceback.format_stack(frame, limit=10)]
-    return "\n".join(out) or "(none)"
+    from appliance.state_dump import thread_stacks
+
+    return "\n".join(thread_stacks(skip=threading.get_ident())) or "(none)"
+
+
+def state_dump(app: RunningAppliance, timeout: float = 10) -> str | None:
+    """SIGUSR1 to the daemon, and the dump it logs (appliance.state_dump), from its header to its end line;
+    None when none comes within `timeout` (the daemon's event loop did not run the handler)."""
+    from appliance.state_dump import END, HEADER
+
+    start = len(app.log_text())
+    os.kill(app.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = app.log_text()[start:]
+        if END in new:
+            return new[new.index(HEADER):new.index(END) + len(END)]
+        time.sleep(0.2)
+    return None
 
 
 def in_flight(app: RunningAppliance) -> str:

@@ -64,9 +64,6 @@ class InFlight:
     def end(self, key: object) -> None:
         self._flights.pop(id(key), None)
 
-    def __len__(self) -> int:
-        return len(self._flights)
-
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [f.view(now) for f in sorted(self._flights.values(), key=lambda f: f.started)]

@@ -386,8 +386,8 @@ class EngineProxy:
             await upstream.aclose()
 
         return _ClosingStream(
-            self._relay(upstream, rec, t0, strip_usage=not job.client_wants_usage, on_first=first_token,
-                        judge=self._stream_judge(job) if job.judge else None, flight=job.flight),
+            self._relay(upstream, rec, t0, strip_usage=not job.client_wants_usage, flight=job.flight,
+                        on_first=first_token, judge=self._stream_judge(job) if job.judge else None),
             on_close=on_close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -463,14 +463,13 @@ class EngineProxy:
                         background=BackgroundTask(self._record_after_response, rec, t0))
 
     async def _relay(self, upstream: httpx.Response, rec: RequestRecord, t0: float, strip_usage: bool,
-                     on_first: Callable[[], None] = lambda: None,
-                     judge: "_StreamJudge | None" = None, flight: Flight | None = None) -> AsyncIterator[bytes]:
+                     flight: Flight, on_first: Callable[[], None] = lambda: None,
+                     judge: "_StreamJudge | None" = None) -> AsyncIterator[bytes]:
         buf = b""
         texts: list[str] | None = [] if rec.prompt is not None else None
         try:
             async for chunk in upstream.aiter_raw():
-                if flight is not None:
-                    flight.received()
+                flight.received()
                 if rec.ttft_ms is None:
                     rec.ttft_ms = (time.perf_counter() - t0) * 1000
                     on_first()
@@ -487,8 +486,7 @@ class EngineProxy:
                     ready = head + await judge.after(judge.acc.result()) + _DONE + tail
                 if ready:
                     yield ready
-                    if flight is not None:
-                        flight.sent()
+                    flight.sent()
             if buf:
                 yield buf
         except httpx.HTTPError as e:

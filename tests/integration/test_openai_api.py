@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import sqlite3
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import RunningAppliance, send_raw, wait_for
+from tests.support import RunningAppliance, send_raw, state_dump, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -297,14 +295,8 @@ def test_a_held_stream_shows_in_the_requests_in_flight_and_in_the_state_dump(app
         (held,) = mine()
         assert held["phase"] == "streaming" and held["stream"] is True and held["class"] == "silver"
         assert held["chunks_from_engine"] >= 1 and held["chunks_to_client"] >= 1
-        start = len(appliance.log_text())
-        os.kill(appliance.proc.pid, signal.SIGUSR1)
-
-        def dumped() -> str | None:
-            text = appliance.log_text()[start:]
-            return text if "end of state dump" in text else None
-
-        dump = wait_for(dumped, 30, what="the state dump in the log")
+        dump = state_dump(appliance, timeout=30)
+    assert dump is not None, "no state dump in the log 30 s after SIGUSR1"
     assert '"id": "held-for-the-dump"' in dump and '"phase": "streaming"' in dump
     assert "task api: " in dump and "task loop-monitor: " in dump  # every task, by name, with its stack
     assert appliance.proc.poll() is None  # SIGUSR1 asks; it does not stop the daemon
