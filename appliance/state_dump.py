@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import traceback
@@ -36,15 +37,33 @@ def render(requests: Iterable[dict[str, Any]], tasks: Iterable[asyncio.Task[Any]
 
 
 def thread_stacks(frames: dict[int, Any] | None = None, skip: int | None = None) -> list[str]:
-    """Each thread's name and innermost frames (but the thread `skip`), as lines to print."""
+    """Each thread's name, what the kernel says of it, and its innermost frames (but the thread `skip`)."""
     frames = sys._current_frames() if frames is None else frames  # noqa: SLF001 (the documented way)
-    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = {t.ident: t for t in threading.enumerate()}
     out = []
     for ident, frame in frames.items():
         if ident != skip:
-            out.append(f"thread {names.get(ident, '?')} ({ident}):")
+            thread = threads.get(ident)
+            kernel = kernel_view(thread.native_id) if thread is not None and thread.native_id else None
+            seen = f" [{kernel}]" if kernel else ""
+            out.append(f"thread {thread.name if thread else '?'} ({ident}){seen}:")
             out += ["    " + line.rstrip() for line in traceback.format_stack(frame, limit=12)]
     return out
+
+
+def kernel_view(tid: int) -> str | None:
+    """One thread as Linux sees it: running or sleeping, the kernel function it sleeps in, and the CPU
+    seconds it has used. A Python stack ends where C code begins; this tells a thread spinning in C
+    (running, CPU growing) from one waiting for a lock or the GIL (sleeping in a futex wait) or for I/O.
+    None where /proc does not say (not Linux, or the thread has gone)."""
+    try:
+        fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        wchan = open(f"/proc/self/task/{tid}/wchan").read().strip()
+    except (OSError, IndexError):
+        return None
+    state, ticks = fields[0], int(fields[11]) + int(fields[12])  # fields 3, 14 (utime) and 15 (stime) of stat
+    waits = f" in {wchan}" if wchan not in ("", "0") else ""
+    return f"{state}{waits}, cpu {ticks / os.sysconf('SC_CLK_TCK'):.2f}s"
 
 
 def _coro_name(task: asyncio.Task[Any]) -> str:

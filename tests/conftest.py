@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import loopback
 from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance, state_dump
 
 DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
@@ -72,4 +73,5 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> RunningAppliance:
 def oai(appliance: RunningAppliance):
     import openai
 
-    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=120,
+                         http_client=loopback.client())

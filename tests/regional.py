@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests import loopback
 from tests.support import free_port
 
 LinkMode = Literal["pass", "cut", "blackhole", "slow"]
@@ -163,7 +164,7 @@ class RegionalRecorder:
                     self.applied[key] += 1
             return JSONResponse(CANNED)
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=300)
+            self._client = loopback.async_client(timeout=300)
         if key is None:
             r = await self._client.post(f"{self.upstream}{request.url.path}", json=body)
             return Response(r.content, status_code=r.status_code, media_type="application/json")

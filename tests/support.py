@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tests import loopback
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -123,7 +125,7 @@ class RunningAppliance:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"appliance exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                if loopback.get(f"{self.url}/readyz", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -245,7 +247,7 @@ def state_dump(app: RunningAppliance, timeout: float = 10) -> str | None:
 def in_flight(app: RunningAppliance) -> str:
     """The gateway's own view of its requests now (GET /v1/appliance/requests), for a failure message."""
     try:
-        return json.dumps(httpx.get(f"{app.url}/v1/appliance/requests", timeout=10).json(), indent=1)
+        return json.dumps(loopback.get(f"{app.url}/v1/appliance/requests", timeout=10).json(), indent=1)
     except (httpx.HTTPError, ValueError) as e:
         return f"(GET /v1/appliance/requests: {type(e).__name__}: {e})"
 

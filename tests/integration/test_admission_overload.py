@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from appliance import keys
+from tests import loopback
 from tests.support import RunningAppliance, send_raw, snapshot, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
@@ -69,7 +70,7 @@ def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
 
 
 def _metric(app: RunningAppliance, pattern: str) -> float:
-    r = httpx.get(f"{app.url}/metrics", timeout=60)
+    r = loopback.get(f"{app.url}/metrics", timeout=60)
     assert r.status_code == 200, f"GET /metrics: {r.status_code} {r.text[:500]}"  # not a silent 0
     m = re.search(pattern, r.text, re.M)
     return float(m.group(1)) if m else 0.0
@@ -85,7 +86,7 @@ def _stream(app: RunningAppliance, key: str, max_tokens: int) -> dict:
     """One streamed completion; returns its status and when its first token arrived."""
     body = _sea(app, max_tokens)
     out: dict = {"sent": time.monotonic()}
-    with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
+    with loopback.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
                       headers={"Authorization": f"Bearer {key}"}) as r:
         out["status"] = r.status_code
         out["retry_after"] = r.headers.get("retry-after")
@@ -119,7 +120,7 @@ class _Reader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.app.url}/v1/completions", json=self.body, timeout=180,
+            with loopback.stream("POST", f"{self.app.url}/v1/completions", json=self.body, timeout=180,
                               headers={"Authorization": f"Bearer {self.key}"}) as r:
                 self._response, self.status = r, r.status_code
                 for line in r.iter_lines():
@@ -157,8 +158,10 @@ def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[_Reader]:
     block here by minutes.
 
     A stream with no first chunk in FIRST_CHUNK_S is abandoned and started again, once, with a warning
-    that carries what the gateway, the sockets and this process's threads showed at that moment (CI
-    once saw such a stream, and only there; the warning is how the next run says where it stuck).
+    that carries what the gateway, the sockets and this process's threads showed at that moment. CI saw
+    such a stream twice, and only there; the second time the snapshot showed a test thread stuck building
+    its httpx client's TLS context, which tests/loopback.py now builds once. Kept, with its warning, in
+    case that was not the whole story.
     """
     reader = _Reader(app, key, _sea(app, 8000))
     reader.start()
@@ -228,13 +231,13 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
 
 def test_max_tokens_over_the_class_limit_is_400(small):
     app, secret = small
-    r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
+    r = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
                    json={"model": app.served_name, "prompt": "hi", "max_tokens": 65})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "max_tokens_over_class_limit" and err["param"] == "max_tokens"
     assert "bronze" in err["message"] and "64" in err["message"]
-    ok = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
+    ok = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
                     json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
@@ -263,7 +266,7 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
     (here, until its client leaves), and only then does the engine go.
     """
     app, secret = small
-    status = lambda: httpx.get(f"{app.url}/v1/appliance/status", timeout=10).json()  # noqa: E731
+    status = lambda: loopback.get(f"{app.url}/v1/appliance/status", timeout=10).json()  # noqa: E731
     before = status()
     assert before["plan"]["speculative"]["method"] == "ngram"
     assert before["engine"]["restarts"] == 0
@@ -286,7 +289,7 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
             assert time.monotonic() < deadline, "speculative decoding still on after 300s of rejected drafts"
             assert bystander.is_alive(), "the bystander's 8000 tokens ended before the doctor decided"
             seed += 1
-            r = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
+            r = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
                            json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
                                  "temperature": 0.8, "seed": seed}, timeout=120)
             # 200: answered, also when the decision came while it ran (the relaunch waits for it);
@@ -298,7 +301,7 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
         assert "turned off" in after["plan"]["speculative"]["reason"] and "acceptance" in after["plan"]["speculative"]["reason"]
 
         # Draining: new work is refused, the running stream is still served by the old engine.
-        ready = httpx.get(f"{app.url}/readyz", timeout=10)
+        ready = loopback.get(f"{app.url}/readyz", timeout=10)
         assert ready.status_code == 503 and ready.json()["engine"]["reason"].startswith("relaunching")
         wait_for(lambda: bystander.chunks[-1] > decided + 3 or not bystander.is_alive(), 60,
                  what="tokens for the bystander during the drain")
@@ -313,8 +316,8 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
     servers = [" ".join(p.cmdline()) for p in app.engine_processes() if "api_server" in " ".join(p.cmdline())]
     assert servers and not any("--speculative-config" in cmd for cmd in servers), servers
     assert status()["engine"]["restarts"] == 0  # a decision, not a failure
-    metrics = httpx.get(f"{app.url}/metrics", timeout=10).text
+    metrics = loopback.get(f"{app.url}/metrics", timeout=10).text
     assert 'appliance_doctor_actions_total{action="speculative_off"} 1.0' in metrics
-    ok = httpx.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
+    ok = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
                     json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200

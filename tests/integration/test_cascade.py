@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from appliance import keys
+from tests import loopback
 from tests.regional import FaultInjector, RegionalRecorder
 from tests.support import RunningAppliance, start_appliance, wait_for
 
@@ -115,11 +116,11 @@ def chat(site: Site, text: str, *, tenant: str = "default", headers: dict | None
     body = {"model": extra.pop("model", site.edge.served_name), "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
     h = {"Authorization": f"Bearer {site.keys[tenant]}", **(headers or {})}
-    return httpx.post(f"{site.url()}/v1/chat/completions", json=body, headers=h, timeout=timeout)
+    return loopback.post(f"{site.url()}/v1/chat/completions", json=body, headers=h, timeout=timeout)
 
 
 def escalation(site: Site, esc_id: str, key: str = "admin") -> httpx.Response:
-    return httpx.get(f"{site.url()}/v1/escalations/{esc_id}",
+    return loopback.get(f"{site.url()}/v1/escalations/{esc_id}",
                      headers={"Authorization": f"Bearer {site.keys[key]}"}, timeout=10)
 
 
@@ -160,7 +161,7 @@ def test_always_sync_is_answered_by_the_regional_cluster(site: Site):
 
 def test_always_sync_streams_the_regional_answer(site: Site):
     m = marker()
-    with httpx.stream("POST", f"{site.url()}/v1/chat/completions", timeout=60,
+    with loopback.stream("POST", f"{site.url()}/v1/chat/completions", timeout=60,
                       headers={"Authorization": f"Bearer {site.keys['default']}", **SYNC},
                       json={"model": site.edge.served_name, "messages": [{"role": "user", "content": m}],
                             "max_tokens": 6, "stream": True}) as r:
@@ -212,14 +213,14 @@ def test_a_model_only_the_regional_cluster_serves(site: Site):
 def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     auto = {"X-Appliance-Escalate": "auto", "X-Appliance-Escalation-Mode": "async"}
     sure = marker()
-    r = httpx.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
+    r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
                    json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
                          "temperature": 0})
     assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "none"
     assert r.json()["choices"][0]["logprobs"] is None  # requested for the judge, hidden from the client
     doubt = marker()
     # Sampling at temperature 2 picks tokens the model itself finds unlikely: low confidence by design.
-    r = httpx.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
+    r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
                    json={"model": site.edge.served_name, "prompt": f"{doubt} Once upon a time", "max_tokens": 24,
                          "temperature": 2.0, "seed": 1, "logprobs": 2})
     assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued"
@@ -234,7 +235,7 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
 
 def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: Site):
     m = marker()
-    with httpx.stream("POST", f"{site.url()}/v1/completions", timeout=60,
+    with loopback.stream("POST", f"{site.url()}/v1/completions", timeout=60,
                       headers={"X-Appliance-Escalate": "auto"},
                       json={"model": site.edge.served_name, "prompt": f"{m} Once upon a time", "max_tokens": 24,
                             "temperature": 2.0, "seed": 1, "stream": True}) as r:
@@ -268,10 +269,10 @@ def test_unknown_escalation_is_404_and_others_escalations_are_hidden(site: Site)
     own = chat(site, f"mine {marker()}", tenant="lab").headers["x-appliance-escalation-id"]
     assert escalation(site, own, key="lab").status_code == 200
     assert escalation(site, own, key="default").status_code == 404  # another key's escalation
-    r = httpx.get(f"{site.url()}/v1/escalations", params={"limit": "many"},
+    r = loopback.get(f"{site.url()}/v1/escalations", params={"limit": "many"},
                   headers={"Authorization": f"Bearer {site.keys['admin']}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
-    listed = httpx.get(f"{site.url()}/v1/escalations", headers={"Authorization": f"Bearer {site.keys['lab']}"}).json()
+    listed = loopback.get(f"{site.url()}/v1/escalations", headers={"Authorization": f"Bearer {site.keys['lab']}"}).json()
     assert listed["data"] and all(e["key_id"] == listed["data"][0]["key_id"] for e in listed["data"])
     assert "request" not in listed["data"][0]  # summaries only: no prompt text in lists
 
@@ -305,14 +306,14 @@ def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
     # The first two wait for the read timeout (8 s) and open the breaker; the rest do not wait at all.
     assert min(took[:2]) >= 7.5
     assert max(took[3:]) < 5.0, took
-    status = httpx.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
+    status = loopback.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
                        ).json()["cascade"]
     assert status["link"]["breaker"] in ("open", "half_open") and status["outbox"]["depth"] >= 6
     site.injector.set("pass")
     for esc_id in ids:
         wait_done(site, esc_id, timeout=90)
         assert site.recorder.applied[esc_id] == 1
-    metrics = httpx.get(f"{site.url()}/metrics").text
+    metrics = loopback.get(f"{site.url()}/metrics").text
     assert 'appliance_cascade_requests_total{outcome="queued"}' in metrics
     assert "appliance_outbox_oldest_age_seconds" in metrics and "appliance_regional_breaker_state" in metrics
 
@@ -328,21 +329,21 @@ def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):
 
 
 def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
-    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 200, 300, what="a ready edge")
+    wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 200, 300, what="a ready edge")
     # An earlier test cut the link: until the forwarder's probe closes the breaker again, the edge rightly
     # does not try the link, and this test is about a working link with a dead engine.
-    wait_for(lambda: httpx.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
+    wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
                                ).json()["cascade"]["link"]["breaker"] == "closed", 60, what="the breaker to close")
     for p in site.edge.engine_processes():
         p.kill()  # the engine dies; the supervisor restarts it (tens of seconds on the CPU engine)
-    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 503, 30, what="the edge to notice")
+    wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 503, 30, what="the edge to notice")
     r = chat(site, f"While down {marker()}", headers={"X-Appliance-Escalate": "auto"})
     assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.text
     assert r.headers["x-appliance-escalation-reason"] == "the local engine is not ready"
     never = chat(site, "No escalation for me")  # policy default never: the honest 503
     assert never.status_code == 503 and never.json()["error"]["code"] == "engine_not_ready"
     assert int(never.headers["retry-after"]) >= 1
-    wait_for(lambda: httpx.get(f"{site.url()}/readyz").status_code == 200, 300, what="the engine to be back")
+    wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 200, 300, what="the engine to be back")
 
 
 # -- the outbox bound and crash safety (last: it kills and restarts the edge appliance) -------------------
@@ -357,7 +358,7 @@ def _queue_async(site: Site, n: int) -> list[httpx.Response]:
 
 
 def test_outbox_bound_then_sigkill_mid_send_loses_nothing_and_applies_nothing_twice(site: Site):
-    wait_for(lambda: httpx.get(f"{site.url()}/v1/appliance/status",
+    wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status",
                                headers={"Authorization": f"Bearer {site.keys['admin']}"}
                                ).json()["cascade"]["outbox"]["depth"] == 0, 120, what="an empty outbox")
     site.injector.set("cut")

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
+from tests import loopback
 from tests.support import REPO, RunningAppliance, wait_for
 
 pytestmark = pytest.mark.engine
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.engine
 
 def test_doctor_route_reports_setup_and_live_findings(appliance: RunningAppliance):
     # let the engine watch collect a couple of samples
-    wait_for(lambda: httpx.get(f"{appliance.url}/readyz").status_code == 200, 60, what="ready")
-    r = httpx.get(f"{appliance.url}/v1/appliance/doctor", timeout=30)
+    wait_for(lambda: loopback.get(f"{appliance.url}/readyz").status_code == 200, 60, what="ready")
+    r = loopback.get(f"{appliance.url}/v1/appliance/doctor", timeout=30)
     assert r.status_code == 200
     report = r.json()
     by_check = {f["check"]: f for f in report["findings"]}

@@ -12,6 +12,7 @@ import httpx
 import psutil
 import pytest
 
+from tests import loopback
 from tests.support import RunningAppliance, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
@@ -30,7 +31,7 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def _running_requests(app: RunningAppliance) -> float:
     try:
-        text = httpx.get(f"{app.engine_url}/metrics", timeout=2).text
+        text = loopback.get(f"{app.engine_url}/metrics", timeout=2).text
     except httpx.HTTPError:
         return 0.0
     for line in text.splitlines():
@@ -101,7 +102,7 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert "STATUS=serving: smollm2-135m-instruct" in notify.messages[ready_at]
     wait_for(lambda: notify.messages.count("WATCHDOG=1") >= 2, 10, what="watchdog pings at half WATCHDOG_USEC")
     body = {"model": fresh.served_name, "prompt": "Hello", "max_tokens": 2}
-    assert httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
 
     # Streams in flight when the engine dies must each end, promptly, with a clear error event.
     outcomes: dict[int, str] = {}
@@ -110,7 +111,7 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
         long = {"model": fresh.served_name, "prompt": f"Story {i}:", "max_tokens": 1500, "ignore_eos": True,
                 "stream": True}
         try:
-            with httpx.stream("POST", f"{fresh.url}/v1/completions", json=long, timeout=60) as r:
+            with loopback.stream("POST", f"{fresh.url}/v1/completions", json=long, timeout=60) as r:
                 lines = [line for line in r.iter_lines() if line.startswith("data: ")]
             outcomes[i] = "error-event" if any('"engine_stream_broken"' in line for line in lines) else "ended"
         except httpx.HTTPError as e:
@@ -130,13 +131,13 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert time.monotonic() - killed_at < 30
     assert outcomes == {i: "error-event" for i in range(4)}, outcomes
 
-    r = wait_for(lambda: (x := httpx.get(f"{fresh.url}/readyz")).status_code == 503 and x, 10,
+    r = wait_for(lambda: (x := loopback.get(f"{fresh.url}/readyz")).status_code == 503 and x, 10,
                  what="/readyz to turn 503")
     engine = r.json()["engine"]
     assert engine["state"] == "restarting" and "SIGKILL" in engine["reason"]
     assert r.headers["retry-after"] == "3"
 
-    r = httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=10)
+    r = loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=10)
     assert r.status_code == 503 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["code"] == "engine_not_ready"
 
@@ -153,8 +154,8 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     fresh.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: notify.has("READY=1", mark), 10, what="READY=1 after the reload")
     assert notify.index("RELOADING=1", mark) < notify.index("READY=1", mark)
-    assert httpx.get(f"{fresh.url}/readyz").json()["engine"]["restarts"] == 1
-    assert httpx.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert loopback.get(f"{fresh.url}/readyz").json()["engine"]["restarts"] == 1
+    assert loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
 
     # Clean stop: exit status 0 and nothing of the engine left.
     engine_procs = fresh.engine_processes()

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvbudget.model import read_model
 from kvbudget.planner import Platform, Targets, make_plan
+from tests import loopback
 from tests.support import RunningAppliance, default_model_path, free_port, shared_engine_cache, wait_for
 
 pytestmark = pytest.mark.engine
@@ -45,7 +45,7 @@ def test_appliance_plan_matches_the_engine_log(appliance: RunningAppliance):
     log = appliance.log_text()
     m = ENGINE_LINE.search(log)
     assert m, "the engine logs its KV capacity"
-    plan = httpx.get(f"{appliance.url}/v1/appliance/plan").json()
+    plan = loopback.get(f"{appliance.url}/v1/appliance/plan").json()
     assert plan["kv"]["kv_tokens_reported"] == int(m.group(1).replace(",", ""))
     assert f"{plan['kv']['max_concurrency']:.2f}" == m.group(3)
     assert plan["targets"]["context"] == int(m.group(2).replace(",", ""))

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from tests import loopback
 from tests.support import RunningAppliance, send_raw, state_dump, wait_for
 
 pytestmark = pytest.mark.engine
@@ -29,15 +30,15 @@ def _error(resp: httpx.Response) -> dict:
 
 
 def _running(appliance: RunningAppliance) -> float:
-    text = httpx.get(f"{appliance.engine_url}/metrics", timeout=5).text
+    text = loopback.get(f"{appliance.engine_url}/metrics", timeout=5).text
     m = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
     assert m, "engine exports vllm:num_requests_running"
     return float(m.group(1))
 
 
 def test_health_and_readiness(appliance: RunningAppliance):
-    assert httpx.get(f"{appliance.url}/healthz").json()["status"] == "alive"
-    r = httpx.get(f"{appliance.url}/readyz")
+    assert loopback.get(f"{appliance.url}/healthz").json()["status"] == "alive"
+    r = loopback.get(f"{appliance.url}/readyz")
     assert r.status_code == 200 and r.json()["engine"]["state"] == "ready"
 
 
@@ -88,7 +89,7 @@ def test_stream_is_relayed_incrementally_not_buffered(appliance: RunningApplianc
             "ignore_eos": True, "stream": True}
     arrivals = []
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as r:
+    with loopback.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -127,13 +128,13 @@ def test_chat_logprobs_streamed(oai: openai.OpenAI, appliance: RunningAppliance)
 
 
 def test_malformed_json_is_400(appliance: RunningAppliance):
-    r = httpx.post(f"{appliance.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    r = loopback.post(f"{appliance.url}/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert _error(r)["code"] == "invalid_json"
 
 
 def test_json_that_is_not_an_object_is_400(appliance: RunningAppliance):
-    r = httpx.post(f"{appliance.url}/v1/completions", json=[1, 2])
+    r = loopback.post(f"{appliance.url}/v1/completions", json=[1, 2])
     assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
 
 
@@ -150,7 +151,7 @@ def test_json_that_is_not_an_object_is_400(appliance: RunningAppliance):
 )
 def test_wrong_types_are_422_naming_the_param(appliance: RunningAppliance, patch: dict, param: str):
     body = {"model": appliance.served_name, "messages": QUESTION, **patch}
-    r = httpx.post(f"{appliance.url}/v1/chat/completions", json=body)
+    r = loopback.post(f"{appliance.url}/v1/chat/completions", json=body)
     assert r.status_code == 422
     err = _error(r)
     assert err["param"].startswith(param) and err["type"] == "invalid_request_error"
@@ -164,7 +165,7 @@ def test_unknown_model_is_404(oai: openai.OpenAI):
 
 def test_body_over_limit_is_413(appliance: RunningAppliance):
     big = {"model": appliance.served_name, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
-    r = httpx.post(f"{appliance.url}/v1/chat/completions", json=big)
+    r = loopback.post(f"{appliance.url}/v1/chat/completions", json=big)
     assert r.status_code == 413 and _error(r)["code"] == "body_too_large"
 
 
@@ -173,7 +174,7 @@ def test_body_over_limit_without_content_length_is_413(appliance: RunningApplian
         for _ in range(40):
             yield b"x" * 65536
 
-    r = httpx.post(f"{appliance.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    r = loopback.post(f"{appliance.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and _error(r)["code"] == "body_too_large"
 
 
@@ -187,9 +188,9 @@ def test_engine_rejection_keeps_status_and_gets_openai_shape(oai: openai.OpenAI,
 
 
 def test_unknown_route_and_wrong_method(appliance: RunningAppliance):
-    r = httpx.get(f"{appliance.url}/v1/nothing-here")
+    r = loopback.get(f"{appliance.url}/v1/nothing-here")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"
-    r = httpx.delete(f"{appliance.url}/v1/models")
+    r = loopback.delete(f"{appliance.url}/v1/models")
     assert r.status_code == 405 and _error(r)["code"] == "method_not_allowed"
 
 
@@ -203,7 +204,7 @@ def _long_request(appliance: RunningAppliance, stream: bool) -> dict:
 
 def test_stream_client_disconnect_aborts_engine_request(appliance: RunningAppliance):
     wait_for(lambda: _running(appliance) == 0, 30, what="an idle engine")
-    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=_long_request(appliance, True), timeout=60) as r:
+    with loopback.stream("POST", f"{appliance.url}/v1/completions", json=_long_request(appliance, True), timeout=60) as r:
         lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream (a disconnect)
         assert next(line for line in lines if line.startswith("data: {"))
         # the gauge follows the engine's steps; give it a moment to show the request
@@ -236,10 +237,10 @@ def _rows(appliance: RunningAppliance) -> list[dict]:
 
 def test_request_log_has_one_row_per_request_without_text(appliance: RunningAppliance):
     rid = "req-logtest-" + str(time.time_ns())
-    r = httpx.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid},
+    r = loopback.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid},
                    json={"model": appliance.served_name, "messages": QUESTION, "max_tokens": 4, "stream": True})
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
-    bad = httpx.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid + "-bad"},
+    bad = loopback.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid + "-bad"},
                      json={"model": "nope", "messages": QUESTION})
     assert bad.status_code == 404
 
@@ -259,7 +260,7 @@ def test_request_log_has_one_row_per_request_without_text(appliance: RunningAppl
 
 def test_metrics_have_gateway_latencies_and_engine_figures(oai: openai.OpenAI, appliance: RunningAppliance):
     list(oai.chat.completions.create(model=appliance.served_name, messages=QUESTION, max_tokens=4, stream=True))
-    text = httpx.get(f"{appliance.url}/metrics").text
+    text = loopback.get(f"{appliance.url}/metrics").text
     ttft = re.search(r'^appliance_time_to_first_token_seconds_count\{class="silver",route="/v1/chat/completions"\} (\S+)$',
                      text, re.M)
     assert ttft and float(ttft.group(1)) >= 1
@@ -272,11 +273,11 @@ def test_metrics_have_gateway_latencies_and_engine_figures(oai: openai.OpenAI, a
 def test_status_and_metrics_carry_the_model_digest(appliance: RunningAppliance):
     from kernels.manifest import build
 
-    status = httpx.get(f"{appliance.url}/v1/appliance/status").json()
+    status = loopback.get(f"{appliance.url}/v1/appliance/status").json()
     digest = build(Path(status["model"]["path"])).digest
     assert status["model"]["digest"] == digest and status["engine"]["state"] == "ready"
     assert status["plan"]["max_model_len"] == 2048
-    metrics = httpx.get(f"{appliance.url}/metrics").text
+    metrics = loopback.get(f"{appliance.url}/metrics").text
     assert f'digest="{digest}"' in metrics
 
 
@@ -285,10 +286,10 @@ def test_a_held_stream_shows_in_the_requests_in_flight_and_in_the_state_dump(app
     body = {**_long_request(appliance, True), "prompt": "Write about the sea."}
 
     def mine() -> list[dict]:
-        listed = httpx.get(f"{appliance.url}/v1/appliance/requests", timeout=30).json()["data"]
+        listed = loopback.get(f"{appliance.url}/v1/appliance/requests", timeout=30).json()["data"]
         return [q for q in listed if q["id"] == "held-for-the-dump"]
 
-    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=60,
+    with loopback.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=60,
                       headers={"X-Request-Id": "held-for-the-dump"}) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))

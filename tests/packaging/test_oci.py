@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from appliance import keys
+from tests import loopback
 from tests.support import REPO, free_port, wait_for
 
 TOOLS = ("buildah", "podman", "umoci", "oci-image-tool", "debootstrap", "runc")
@@ -129,17 +130,17 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: 
             if image.podman("inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true":
                 raise AssertionError("the container exited:\n" + image.podman("logs", name).stderr[-4000:])
             try:
-                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+                return loopback.get(f"{url}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
         wait_for(ready, 600, interval=2, what="the container's /readyz")
-        r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=120,
+        r = loopback.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=120,
                        json={"model": "smollm2-135m-instruct", "max_tokens": 8,
                              "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
-        assert httpx.post(f"{url}/v1/chat/completions", json={}).status_code == 401  # keys off loopback
+        assert loopback.post(f"{url}/v1/chat/completions", json={}).status_code == 401  # keys off loopback
         logs = image.podman("logs", name)
         assert "engine kernels match the lock" in logs.stdout + logs.stderr
     finally:
