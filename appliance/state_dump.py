@@ -15,6 +15,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 HEADER = "state dump (SIGUSR1)"
@@ -57,8 +58,9 @@ def kernel_view(tid: int) -> str | None:
     (running, CPU growing) from one waiting for a lock or the GIL (sleeping in a futex wait) or for I/O.
     None where /proc does not say (not Linux, or the thread has gone)."""
     try:
-        fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-        wchan = open(f"/proc/self/task/{tid}/wchan").read().strip()
+        task = Path(f"/proc/self/task/{tid}")
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        wchan = (task / "wchan").read_text().strip()
     except (OSError, IndexError):
         return None
     state, ticks = fields[0], int(fields[11]) + int(fields[12])  # fields 3, 14 (utime) and 15 (stime) of stat
