@@ -87,7 +87,7 @@ def _stream(app: RunningAppliance, key: str, max_tokens: int) -> dict:
     body = _sea(app, max_tokens)
     out: dict = {"sent": time.monotonic()}
     with loopback.stream("POST", f"{app.url}/v1/completions", json=body, timeout=180,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
+                         headers={"Authorization": f"Bearer {key}"}) as r:
         out["status"] = r.status_code
         out["retry_after"] = r.headers.get("retry-after")
         if r.status_code != 200:
@@ -121,7 +121,7 @@ class _Reader(threading.Thread):
     def run(self) -> None:
         try:
             with loopback.stream("POST", f"{self.app.url}/v1/completions", json=self.body, timeout=180,
-                              headers={"Authorization": f"Bearer {self.key}"}) as r:
+                                 headers={"Authorization": f"Bearer {self.key}"}) as r:
                 self._response, self.status = r, r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -232,13 +232,13 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
 def test_max_tokens_over_the_class_limit_is_400(small):
     app, secret = small
     r = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
-                   json={"model": app.served_name, "prompt": "hi", "max_tokens": 65})
+                      json={"model": app.served_name, "prompt": "hi", "max_tokens": 65})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "max_tokens_over_class_limit" and err["param"] == "max_tokens"
     assert "bronze" in err["message"] and "64" in err["message"]
     ok = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['bronze']}"},
-                    json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
+                       json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
 
@@ -290,8 +290,8 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
             assert bystander.is_alive(), "the bystander's 8000 tokens ended before the doctor decided"
             seed += 1
             r = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
-                           json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
-                                 "temperature": 0.8, "seed": seed}, timeout=120)
+                              json={"model": app.served_name, "prompt": code, "max_tokens": 100, "ignore_eos": True,
+                                    "temperature": 0.8, "seed": seed}, timeout=120)
             # 200: answered, also when the decision came while it ran (the relaunch waits for it);
             # 503 once the relaunch has begun. Never the engine's 500 from being stopped under it.
             assert r.status_code in (200, 503), r.text
@@ -319,5 +319,5 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
     metrics = loopback.get(f"{app.url}/metrics", timeout=10).text
     assert 'appliance_doctor_actions_total{action="speculative_off"} 1.0' in metrics
     ok = loopback.post(f"{app.url}/v1/completions", headers={"Authorization": f"Bearer {secret['gold']}"},
-                    json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
+                       json={"model": app.served_name, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200

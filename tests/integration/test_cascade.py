@@ -121,7 +121,7 @@ def chat(site: Site, text: str, *, tenant: str = "default", headers: dict | None
 
 def escalation(site: Site, esc_id: str, key: str = "admin") -> httpx.Response:
     return loopback.get(f"{site.url()}/v1/escalations/{esc_id}",
-                     headers={"Authorization": f"Bearer {site.keys[key]}"}, timeout=10)
+                        headers={"Authorization": f"Bearer {site.keys[key]}"}, timeout=10)
 
 
 def wait_done(site: Site, esc_id: str, timeout: float = 60) -> dict:
@@ -162,9 +162,9 @@ def test_always_sync_is_answered_by_the_regional_cluster(site: Site):
 def test_always_sync_streams_the_regional_answer(site: Site):
     m = marker()
     with loopback.stream("POST", f"{site.url()}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {site.keys['default']}", **SYNC},
-                      json={"model": site.edge.served_name, "messages": [{"role": "user", "content": m}],
-                            "max_tokens": 6, "stream": True}) as r:
+                         headers={"Authorization": f"Bearer {site.keys['default']}", **SYNC},
+                         json={"model": site.edge.served_name, "messages": [{"role": "user", "content": m}],
+                               "max_tokens": 6, "stream": True}) as r:
         assert r.headers["x-appliance-answered-by"] == "regional"
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -214,15 +214,15 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     auto = {"X-Appliance-Escalate": "auto", "X-Appliance-Escalation-Mode": "async"}
     sure = marker()
     r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
-                   json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
-                         "temperature": 0})
+                      json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
+                            "temperature": 0})
     assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "none"
     assert r.json()["choices"][0]["logprobs"] is None  # requested for the judge, hidden from the client
     doubt = marker()
     # Sampling at temperature 2 picks tokens the model itself finds unlikely: low confidence by design.
     r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
-                   json={"model": site.edge.served_name, "prompt": f"{doubt} Once upon a time", "max_tokens": 24,
-                         "temperature": 2.0, "seed": 1, "logprobs": 2})
+                      json={"model": site.edge.served_name, "prompt": f"{doubt} Once upon a time", "max_tokens": 24,
+                            "temperature": 2.0, "seed": 1, "logprobs": 2})
     assert r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued"
     assert "low confidence" in r.headers["x-appliance-escalation-reason"]
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"]  # the client asked: kept
@@ -236,9 +236,9 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
 def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: Site):
     m = marker()
     with loopback.stream("POST", f"{site.url()}/v1/completions", timeout=60,
-                      headers={"X-Appliance-Escalate": "auto"},
-                      json={"model": site.edge.served_name, "prompt": f"{m} Once upon a time", "max_tokens": 24,
-                            "temperature": 2.0, "seed": 1, "stream": True}) as r:
+                         headers={"X-Appliance-Escalate": "auto"},
+                         json={"model": site.edge.served_name, "prompt": f"{m} Once upon a time", "max_tokens": 24,
+                               "temperature": 2.0, "seed": 1, "stream": True}) as r:
         lines = list(r.iter_lines())
     comments = [line for line in lines if line.startswith(": appliance-escalation-id=")]
     assert len(comments) == 1
@@ -270,7 +270,7 @@ def test_unknown_escalation_is_404_and_others_escalations_are_hidden(site: Site)
     assert escalation(site, own, key="lab").status_code == 200
     assert escalation(site, own, key="default").status_code == 404  # another key's escalation
     r = loopback.get(f"{site.url()}/v1/escalations", params={"limit": "many"},
-                  headers={"Authorization": f"Bearer {site.keys['admin']}"})
+                     headers={"Authorization": f"Bearer {site.keys['admin']}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
     listed = loopback.get(f"{site.url()}/v1/escalations", headers={"Authorization": f"Bearer {site.keys['lab']}"}).json()
     assert listed["data"] and all(e["key_id"] == listed["data"][0]["key_id"] for e in listed["data"])
@@ -307,7 +307,7 @@ def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
     assert min(took[:2]) >= 7.5
     assert max(took[3:]) < 5.0, took
     status = loopback.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
-                       ).json()["cascade"]
+                          ).json()["cascade"]
     assert status["link"]["breaker"] in ("open", "half_open") and status["outbox"]["depth"] >= 6
     site.injector.set("pass")
     for esc_id in ids:
@@ -333,7 +333,7 @@ def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
     # An earlier test cut the link: until the forwarder's probe closes the breaker again, the edge rightly
     # does not try the link, and this test is about a working link with a dead engine.
     wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
-                               ).json()["cascade"]["link"]["breaker"] == "closed", 60, what="the breaker to close")
+                                  ).json()["cascade"]["link"]["breaker"] == "closed", 60, what="the breaker to close")
     for p in site.edge.engine_processes():
         p.kill()  # the engine dies; the supervisor restarts it (tens of seconds on the CPU engine)
     wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 503, 30, what="the edge to notice")
@@ -359,8 +359,8 @@ def _queue_async(site: Site, n: int) -> list[httpx.Response]:
 
 def test_outbox_bound_then_sigkill_mid_send_loses_nothing_and_applies_nothing_twice(site: Site):
     wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status",
-                               headers={"Authorization": f"Bearer {site.keys['admin']}"}
-                               ).json()["cascade"]["outbox"]["depth"] == 0, 120, what="an empty outbox")
+                                  headers={"Authorization": f"Bearer {site.keys['admin']}"}
+                                  ).json()["cascade"]["outbox"]["depth"] == 0, 120, what="an empty outbox")
     site.injector.set("cut")
     queued = _queue_async(site, OUTBOX_BOUND)
     assert all(r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued" for r in queued)

@@ -238,10 +238,10 @@ def _rows(appliance: RunningAppliance) -> list[dict]:
 def test_request_log_has_one_row_per_request_without_text(appliance: RunningAppliance):
     rid = "req-logtest-" + str(time.time_ns())
     r = loopback.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid},
-                   json={"model": appliance.served_name, "messages": QUESTION, "max_tokens": 4, "stream": True})
+                      json={"model": appliance.served_name, "messages": QUESTION, "max_tokens": 4, "stream": True})
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
     bad = loopback.post(f"{appliance.url}/v1/chat/completions", headers={"X-Request-Id": rid + "-bad"},
-                     json={"model": "nope", "messages": QUESTION})
+                        json={"model": "nope", "messages": QUESTION})
     assert bad.status_code == 404
 
     rows = wait_for(lambda: {r["id"]: r for r in _rows(appliance) if r["id"].startswith(rid)} or None, 10,
@@ -290,7 +290,7 @@ def test_a_held_stream_shows_in_the_requests_in_flight_and_in_the_state_dump(app
         return [q for q in listed if q["id"] == "held-for-the-dump"]
 
     with loopback.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=60,
-                      headers={"X-Request-Id": "held-for-the-dump"}) as r:
+                         headers={"X-Request-Id": "held-for-the-dump"}) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))
         (held,) = mine()

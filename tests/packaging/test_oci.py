@@ -136,8 +136,8 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: 
 
         wait_for(ready, 600, interval=2, what="the container's /readyz")
         r = loopback.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=120,
-                       json={"model": "smollm2-135m-instruct", "max_tokens": 8,
-                             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                          json={"model": "smollm2-135m-instruct", "max_tokens": 8,
+                                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert loopback.post(f"{url}/v1/chat/completions", json={}).status_code == 401  # keys off loopback
