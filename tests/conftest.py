@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,15 +10,40 @@ import pytest
 from tests import loopback
 from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance, state_dump
 
+pytest_plugins = ["pytester"]  # tests/unit/test_ci_runs_everything.py runs pytest on small test files
+
 DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
 ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines
 
 
+def under_ci() -> bool:
+    """CI sets CI=true. There every test must run: a skip for a missing tool, package or privilege hides
+    exactly the missing install step a fresh machine would hit."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def _fail_skip_under_ci(report) -> None:
+    if under_ci() and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"skipped under CI=true, where every test must run (`make test` installs what the "
+                           f"suite needs): {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at collection (importorskip, a module-level skip) fails under CI too."""
+    outcome = yield
+    _fail_skip_under_ci(outcome.get_result())
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's report carries the tail of every live appliance's log (the daemon's side of it)."""
+    """Under CI a skip is a failure that names what was missing. A failed test's report carries the tail
+    of every live appliance's log (the daemon's side of it)."""
     outcome = yield
     report = outcome.get_result()
+    _fail_skip_under_ci(report)
     if report.failed and RUNNING:
         report.sections.append(("machine", _machine_load()))
         report.sections.append(("this test process's other threads", other_threads()))

@@ -2,9 +2,11 @@
 
     appliance --> FaultInjector (pass | cut | blackhole | slow) --> RegionalRecorder --> regional vLLM
 
-The recorder counts every request by its Idempotency-Key, applies each key once (a repeated key gets
-the stored answer, as a regional gateway that honours idempotency keys would), and keeps the bodies, so
-tests assert on what the regional side actually received. It can also misbehave (garbage, 500s).
+The recorder keeps every request it receives (key, body, time) and every one it applied (passed on to the
+model and answered). Like a regional gateway that honours idempotency keys, it applies a key once and
+answers a repeat of it with the stored answer; a resend under a new key is applied again, as it would be
+for real. `delivery_problems` checks escalations against both logs by their bodies, not by their keys
+alone, so a duplicate under any key shows. It can also misbehave (garbage, 500s).
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import asyncio
 import collections
 import json
 import threading
+import re
 import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
@@ -109,15 +115,35 @@ class FaultInjector:
         self._loop.stop()
 
 
+MARKER = re.compile(r"marker-[0-9a-f]{12}")
+
+
+def marker() -> str:
+    """A token to put in a request's text, so its body can be told apart wherever it arrives."""
+    return f"marker-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True, eq=False)
+class Arrival:
+    """One request as the regional side received it."""
+    key: str | None  # its Idempotency-Key
+    body: dict
+    at: float  # time.time()
+    path: str
+    markers: frozenset[str] = field(default=frozenset())  # the marker() tokens its body carries
+
+    @classmethod
+    def of(cls, key: str | None, body: dict, path: str) -> Arrival:
+        return cls(key, body, time.time(), path, frozenset(MARKER.findall(json.dumps(body))))
+
+
 class RegionalRecorder:
     def __init__(self, upstream: str, token: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.token = token
         self.behaviour: Literal["normal", "garbage", "error500", "canned"] = "normal"
-        self.received: collections.Counter[str] = collections.Counter()  # idempotency key -> requests
-        self.applied: collections.Counter[str] = collections.Counter()  # idempotency key -> sent upstream
-        self.bodies: list[dict] = []
-        self.no_key = 0
+        self.arrivals: list[Arrival] = []  # every request received, in order
+        self.applications: list[Arrival] = []  # those answered by the model (or canned), not from the store
         self._answers: dict[str, dict] = {}
         self._key_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._lock = threading.Lock()
@@ -146,48 +172,90 @@ class RegionalRecorder:
         if not self._authorised(request):
             return JSONResponse({"error": {"message": "bad token", "type": "auth"}}, status_code=401)
         body = await request.json()
-        key = request.headers.get("idempotency-key")
+        arrival = Arrival.of(request.headers.get("idempotency-key"), body, request.url.path)
         with self._lock:
-            self.bodies.append(body)
-            if key is None:
-                self.no_key += 1
-            else:
-                self.received[key] += 1
+            self.arrivals.append(arrival)
         if self.behaviour == "garbage":
             return Response(b"<html>proxy error</html>", status_code=200, media_type="text/html")
         if self.behaviour == "error500":
             return JSONResponse({"error": {"message": "regional overloaded"}}, status_code=500)
+        async with self._key_locks[arrival.key or f"no key {id(arrival)}"]:  # concurrent repeats of a key wait
+            if arrival.key is not None and arrival.key in self._answers:
+                return JSONResponse(self._answers[arrival.key])  # a repeated key: the stored answer, not applied
+            status, content = await self._apply(arrival)
+            if status == 200:
+                with self._lock:
+                    self.applications.append(arrival)
+                if arrival.key is not None:
+                    self._answers[arrival.key] = json.loads(content)
+        self._key_locks.pop(arrival.key or f"no key {id(arrival)}", None)
+        return Response(content, status_code=status, media_type="application/json")
+
+    async def _apply(self, arrival: Arrival) -> tuple[int, bytes]:
         if self.behaviour == "canned":  # benchmarks of the appliance's side: no model behind the front
-            async with self._key_locks[key or ""]:
-                if key is not None and key not in self._answers:
-                    self._answers[key] = CANNED
-                    self.applied[key] += 1
-            return JSONResponse(CANNED)
+            return 200, json.dumps(CANNED).encode()
         if self._client is None:
             self._client = loopback.async_client(timeout=300)
-        if key is None:
-            r = await self._client.post(f"{self.upstream}{request.url.path}", json=body)
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
-        async with self._key_locks[key]:  # one application per key, even for concurrent duplicates
-            if key in self._answers:
-                return JSONResponse(self._answers[key])  # a duplicate: dropped, the first answer returned
-            r = await self._client.post(f"{self.upstream}{request.url.path}", json=body)
-            if r.status_code == 200:
-                self._answers[key] = r.json()
-                self.applied[key] += 1
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        r = await self._client.post(f"{self.upstream}{arrival.path}", json=arrival.body)
+        return r.status_code, r.content
 
-    def reset(self) -> None:
+    @property
+    def received(self) -> collections.Counter[str]:
+        """Idempotency key -> requests received under it."""
         with self._lock:
-            self.received.clear()
-            self.applied.clear()
-            self.bodies.clear()
-            self.no_key = 0
-            self.behaviour = "normal"
+            return collections.Counter(a.key for a in self.arrivals if a.key is not None)
+
+    @property
+    def applied(self) -> collections.Counter[str]:
+        """Idempotency key -> times applied under it (at most 1: a repeated key gets the stored answer)."""
+        with self._lock:
+            return collections.Counter(a.key for a in self.applications if a.key is not None)
+
+    def mark(self) -> int:
+        """Where the logs stand now: pass it as `since` to look only at what came after."""
+        with self._lock:
+            return len(self.arrivals)
 
     def bodies_with(self, marker: str) -> list[dict]:
         with self._lock:
-            return [b for b in self.bodies if marker in json.dumps(b)]
+            return [a.body for a in self.arrivals if marker in a.markers]
+
+    def delivery_problems(self, expected: Mapping[str, str], since: int = 0) -> list[str]:
+        """What is wrong with the delivery of `expected` (escalation id -> the marker() only its body
+        carries), judged on every request received since `since`: each id arrived under its own key with
+        its own body, each body was applied exactly once and under its id, and nothing arrived without a
+        key or under a key that is not one of the ids. Empty when all is well."""
+        with self._lock:
+            arrivals = self.arrivals[since:]
+            window = {id(a) for a in arrivals}
+            applied = [a for a in self.applications if id(a) in window]
+        by_key: collections.defaultdict[str | None, list[Arrival]] = collections.defaultdict(list)
+        applied_with: collections.defaultdict[str, list[Arrival]] = collections.defaultdict(list)
+        for a in arrivals:
+            by_key[a.key].append(a)
+        for a in applied:
+            for m in a.markers:
+                applied_with[m].append(a)
+        problems = [f"a request arrived without an Idempotency-Key: {json.dumps(a.body)[:200]}" for a in by_key[None]]
+        problems += [f"{len(got)} request(s) arrived under {key!r}, which is no escalation id"
+                     for key, got in by_key.items() if key is not None and key not in expected]
+        for esc_id, mark in expected.items():
+            if not by_key[esc_id]:
+                problems.append(f"{esc_id}: never arrived")
+            problems += [f"{esc_id}: arrived with another body than its own" for a in by_key[esc_id]
+                         if mark not in a.markers]
+            once = applied_with[mark]
+            if len(once) != 1:
+                problems.append(f"{esc_id}: its body was applied {len(once)} times, under keys {[a.key for a in once]}")
+            elif once[0].key != esc_id:
+                problems.append(f"{esc_id}: its body was applied under {once[0].key!r}")
+        return problems
+
+    def reset(self) -> None:
+        with self._lock:
+            self.arrivals.clear()
+            self.applications.clear()
+            self.behaviour = "normal"
 
     def close(self) -> None:
         self._server.should_exit = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,10 +16,30 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests import loopback
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool) or (f"/usr/sbin/{tool}" if Path(f"/usr/sbin/{tool}").exists() else None)
+
+
+def needs_tools(*tools: str) -> pytest.MarkDecorator:
+    """Skip where a system tool is missing (a developer's box); under CI=true that skip is a failure naming
+    the tool (tests/conftest.py), since `make test` installs every one (scripts/setup-test-tools.sh)."""
+    missing = [t for t in tools if _which(t) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed (make test-tools installs it)")
+
+
+def require_tool(tool: str) -> str:
+    """The tool's path, or a skip (a failure under CI) naming it."""
+    path = _which(tool)
+    if path is None:
+        pytest.skip(f"{tool} not installed (make test-tools installs it)")
+    return path
 
 
 def free_port() -> int:

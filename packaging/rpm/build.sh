@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the RPM: the appliance's wheel, then rpmbuild in a scratch top directory.
 #   packaging/rpm/build.sh [OUTPUT_DIR]      (default: dist/rpm)
-# Needs: rpmbuild (Debian: rpm), python3-packaging (rpm's python dependency generator), and the
+# Needs: rpmbuild (Debian: rpm), python3-packaging for the interpreter rpm's python dependency generator
+# runs under (scripts/setup-test-tools.sh checks it), and the
 # project's virtual environment (make setup) to build the wheel.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -19,5 +20,15 @@ cp "$repo"/systemd/appliance.service "$repo"/systemd/appliance.sysusers.conf "$r
 cp "$here/edge-appliance.spec" "$top/SPECS/"
 rpmbuild -bb --quiet --define "_topdir $top" --define "appliance_version $version" \
     "$top/SPECS/edge-appliance.spec"
-find "$top/RPMS" -name '*.rpm' -exec cp {} "$out/" \;
+rpm_file=$(find "$top/RPMS" -name '*.rpm')
+# rpm's generator emits nothing, silently, when its interpreter lacks `packaging`: an RPM without its
+# python3.Xdist(...) requirements installs on a box that cannot run it. Refuse to hand one out.
+if ! rpm -qp --requires "$rpm_file" | grep -q '^python3\.[0-9]*dist('; then
+    gen="$(rpm --eval '%{_rpmconfigdir}')/pythondistdeps.py"
+    echo "build.sh: the RPM carries no python3.Xdist(...) requirements: rpm's python dependency generator" \
+         "($gen) produced none; its interpreter ($(sed -n '1s/^#! *//p' "$gen" 2>/dev/null)) needs the packaging" \
+         "module (Debian: apt-get install python3-packaging)" >&2
+    exit 1
+fi
+cp "$rpm_file" "$out/"
 ls "$out"/*.rpm

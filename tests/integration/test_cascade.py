@@ -16,7 +16,7 @@ import pytest
 
 from appliance import keys
 from tests import loopback
-from tests.regional import FaultInjector, RegionalRecorder
+from tests.regional import FaultInjector, RegionalRecorder, marker
 from tests.support import RunningAppliance, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
@@ -107,10 +107,6 @@ def healthy_link(site):
     yield
 
 
-def marker() -> str:
-    return f"marker-{uuid.uuid4().hex[:12]}"
-
-
 def chat(site: Site, text: str, *, tenant: str = "default", headers: dict | None = None, stream: bool = False,
          max_tokens: int = 8, timeout: float = 60, **extra) -> httpx.Response:
     body = {"model": extra.pop("model", site.edge.served_name), "messages": [{"role": "user", "content": text}],
@@ -146,7 +142,7 @@ def test_default_never_stays_local(site: Site):
 
 
 def test_always_sync_is_answered_by_the_regional_cluster(site: Site):
-    m = marker()
+    m, since = marker(), site.recorder.mark()
     r = chat(site, f"Name a colour. {m}", headers=SYNC)
     assert r.status_code == 200, r.text
     assert r.headers["x-appliance-answered-by"] == "regional" and r.headers["x-appliance-escalation"] == "answered"
@@ -154,7 +150,8 @@ def test_always_sync_is_answered_by_the_regional_cluster(site: Site):
     assert r.json()["model"] == REGIONAL_MODEL
     sent = site.recorder.bodies_with(m)
     assert len(sent) == 1 and sent[0]["model"] == REGIONAL_MODEL and "stream" not in sent[0]
-    assert site.recorder.received[esc_id] == 1 and site.recorder.applied[esc_id] == 1
+    assert site.recorder.received[esc_id] == 1
+    assert site.recorder.delivery_problems({esc_id: m}, since) == []
     e = escalation(site, esc_id).json()
     assert e["status"] == "done" and e["answer"]["model"] == REGIONAL_MODEL
 
@@ -174,15 +171,15 @@ def test_always_sync_streams_the_regional_answer(site: Site):
 
 
 def test_always_async_answers_locally_and_delivers_later(site: Site):
-    m = marker()
+    m, since = marker(), site.recorder.mark()
     r = chat(site, f"Count to three. {m}", headers=ASYNC)
     assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
     assert r.headers["x-appliance-escalation"] == "queued"
     esc_id = r.headers["x-appliance-escalation-id"]
     done = wait_done(site, esc_id)
     assert done["answer"]["model"] == REGIONAL_MODEL
-    # a slow regional answer may be resent after a read timeout: applied once all the same
-    assert site.recorder.applied[esc_id] == 1 and site.recorder.bodies_with(m)
+    # a slow regional answer may be resent after a read timeout (same key): applied once all the same
+    assert site.recorder.delivery_problems({esc_id: m}, since) == []
 
 
 def test_tenant_policy_per_key(site: Site):
@@ -212,7 +209,7 @@ def test_a_model_only_the_regional_cluster_serves(site: Site):
 
 def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     auto = {"X-Appliance-Escalate": "auto", "X-Appliance-Escalation-Mode": "async"}
-    sure = marker()
+    sure, since = marker(), site.recorder.mark()
     r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto,
                       json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
                             "temperature": 0})
@@ -228,7 +225,7 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"]  # the client asked: kept
     esc_id = r.headers["x-appliance-escalation-id"]
     wait_done(site, esc_id)
-    assert site.recorder.applied[esc_id] == 1 and site.recorder.bodies_with(doubt)
+    assert site.recorder.delivery_problems({esc_id: doubt}, since) == []  # the confident one never arrived
     assert site.recorder.bodies_with(doubt)[0]["logprobs"] == 2  # the client's request, not the judge's
     assert site.recorder.bodies_with(sure) == []
 
@@ -280,14 +277,16 @@ def test_unknown_escalation_is_404_and_others_escalations_are_hidden(site: Site)
 def test_regional_garbage_or_500_falls_back_locally_and_keeps_the_escalation(site: Site):
     for behaviour in ("garbage", "error500"):
         site.recorder.behaviour = behaviour
-        m = marker()
+        m, since = marker(), site.recorder.mark()
         r = chat(site, f"Hello {m}", headers=SYNC)
         assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local", behaviour
         assert r.headers["x-appliance-escalation"] == "queued"
         esc_id = r.headers["x-appliance-escalation-id"]
         site.recorder.behaviour = "normal"
         done = wait_done(site, esc_id, timeout=90)  # retried with back-off once the regional side is sane
-        assert done["answer"]["model"] == REGIONAL_MODEL and site.recorder.applied[esc_id] == 1
+        assert done["answer"]["model"] == REGIONAL_MODEL
+        assert site.recorder.received[esc_id] >= 2  # the bad answer, then the retry under the same key
+        assert site.recorder.delivery_problems({esc_id: m}, since) == []
 
 
 # -- link down ------------------------------------------------------------------------------------------
@@ -295,14 +294,15 @@ def test_regional_garbage_or_500_falls_back_locally_and_keeps_the_escalation(sit
 
 def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
     site.injector.set("blackhole")
-    ids, took = [], []
+    since = site.recorder.mark()
+    expected, took = {}, []
     for i in range(6):
-        t = time.monotonic()
-        r = chat(site, f"Question {i} {marker()}", headers=SYNC, max_tokens=2)
+        t, m = time.monotonic(), marker()
+        r = chat(site, f"Question {i} {m}", headers=SYNC, max_tokens=2)
         took.append(time.monotonic() - t)
         assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local"
         assert r.headers["x-appliance-escalation"] == "queued"
-        ids.append(r.headers["x-appliance-escalation-id"])
+        expected[r.headers["x-appliance-escalation-id"]] = m
     # The first two wait for the read timeout (8 s) and open the breaker; the rest do not wait at all.
     assert min(took[:2]) >= 7.5
     assert max(took[3:]) < 5.0, took
@@ -310,9 +310,9 @@ def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
                           ).json()["cascade"]
     assert status["link"]["breaker"] in ("open", "half_open") and status["outbox"]["depth"] >= 6
     site.injector.set("pass")
-    for esc_id in ids:
+    for esc_id in expected:
         wait_done(site, esc_id, timeout=90)
-        assert site.recorder.applied[esc_id] == 1
+    assert site.recorder.delivery_problems(expected, since) == []
     metrics = loopback.get(f"{site.url()}/metrics").text
     assert 'appliance_cascade_requests_total{outcome="queued"}' in metrics
     assert "appliance_outbox_oldest_age_seconds" in metrics and "appliance_regional_breaker_state" in metrics
@@ -349,9 +349,11 @@ def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
 # -- the outbox bound and crash safety (last: it kills and restarts the edge appliance) -------------------
 
 
-def _queue_async(site: Site, n: int) -> list[httpx.Response]:
-    def one(i: int) -> httpx.Response:
-        return chat(site, f"Item {i} {marker()}", headers=ASYNC, max_tokens=1, timeout=120)
+def _queue_async(site: Site, n: int) -> list[tuple[str, httpx.Response]]:
+    """n escalations queued at once: each one's marker and the response that named its id."""
+    def one(i: int) -> tuple[str, httpx.Response]:
+        m = marker()
+        return m, chat(site, f"Item {i} {m}", headers=ASYNC, max_tokens=1, timeout=120)
 
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(n)))
@@ -362,10 +364,12 @@ def test_outbox_bound_then_sigkill_mid_send_loses_nothing_and_applies_nothing_tw
                                   headers={"Authorization": f"Bearer {site.keys['admin']}"}
                                   ).json()["cascade"]["outbox"]["depth"] == 0, 120, what="an empty outbox")
     site.injector.set("cut")
+    since = site.recorder.mark()
     queued = _queue_async(site, OUTBOX_BOUND)
-    assert all(r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued" for r in queued)
-    ids = [r.headers["x-appliance-escalation-id"] for r in queued]
-    assert len(set(ids)) == OUTBOX_BOUND
+    assert all(r.status_code == 200 and r.headers["x-appliance-escalation"] == "queued" for _, r in queued)
+    expected = {r.headers["x-appliance-escalation-id"]: m for m, r in queued}
+    ids = list(expected)
+    assert len(ids) == OUTBOX_BOUND
 
     # At the bound: the client still gets its local answer, told plainly that nothing was queued.
     over = chat(site, f"One too many {marker()}", headers=ASYNC, max_tokens=1)
@@ -383,8 +387,8 @@ def test_outbox_bound_then_sigkill_mid_send_loses_nothing_and_applies_nothing_tw
     site.start_edge()  # same state directory: the outbox survives
     wait_for(lambda: all(site.recorder.applied[k] == 1 for k in ids), 240, interval=1,
              what="every escalation to be delivered after the restart")
-    for k in ids:
-        assert site.recorder.applied[k] == 1, k  # applied once on the regional side ...
+    # every request the regional side received: each body applied once, under its own id, nothing without one
+    assert site.recorder.delivery_problems(expected, since) == []
     assert any(site.recorder.received[k] >= 2 for k in in_flight)  # ... though the killed send was resent
     site.edge.wait_ready()
     for k in ids[:5]:

@@ -41,9 +41,16 @@ def _running_requests(app: RunningAppliance) -> float:
 
 
 def _engine_core_started(app: RunningAppliance) -> list[psutil.Process] | None:
+    """The engine's processes once both the API server and its EngineCore child run, else None."""
     procs = app.engine_processes()
     names = " ".join(p.name() + " " + " ".join(p.cmdline()) for p in _alive(procs))
     return procs if "EngineCore" in names and "api_server" in names else None
+
+
+def _all_exit(procs: list[psutil.Process], what: str) -> None:
+    """Every process recorded before a kill is gone (psutil tells a reused pid from the recorded one)."""
+    wait_for(lambda: _alive(procs) == [], 30, what=what,
+             explain=lambda: "still running: " + "; ".join(f"{p.pid} {p.name()}" for p in _alive(procs)))
 
 
 class NotifyListener:
@@ -122,7 +129,9 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
         t.start()
     wait_for(lambda: _running_requests(fresh) >= 4, 30, what="four streams running in the engine")
 
-    api_server = next(p for p in fresh.engine_processes() if "api_server" in " ".join(p.cmdline()))
+    engine = _engine_core_started(fresh)
+    assert engine, "the API server and its EngineCore, recorded before the kill"
+    api_server = next(p for p in engine if "api_server" in " ".join(p.cmdline()))
     killed_at = time.monotonic()
     api_server.send_signal(signal.SIGKILL)
     for t in streams:
@@ -130,6 +139,7 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert all(not t.is_alive() for t in streams), "a client stream hung after the engine died"
     assert time.monotonic() - killed_at < 30
     assert outcomes == {i: "error-event" for i in range(4)}, outcomes
+    _all_exit(engine, "the killed engine's EngineCore (and every other process of it) to exit")
 
     r = wait_for(lambda: (x := loopback.get(f"{fresh.url}/readyz")).status_code == 503 and x, 10,
                  what="/readyz to turn 503")
@@ -171,8 +181,23 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
 def test_appliance_sigkill_leaves_no_engine_behind(fresh: RunningAppliance):
     # Kill while the engine is up with its EngineCore child: the case PR_SET_PDEATHSIG alone misses.
     procs = wait_for(lambda: _engine_core_started(fresh), 300, interval=0.5, what="the EngineCore process")
-    everything = fresh.descendants()
-    assert len(_alive(procs)) >= 2
+    everything = fresh.descendants()  # the guard, the API server, its EngineCore
+    assert set(procs) <= set(everything) and len(_alive(everything)) >= 3
     fresh.proc.send_signal(signal.SIGKILL)
     fresh.proc.wait(10)
-    wait_for(lambda: _alive(everything) == [], 30, what="every engine process to exit")
+    _all_exit(everything, "every engine process to exit")
+
+
+def test_guard_sigkill_leaves_no_engine_behind_and_the_engine_comes_back(fresh: RunningAppliance):
+    """The guard is what kills the engine's tree; SIGKILLed itself, the supervisor must do it instead."""
+    fresh.wait_ready()
+    engine = _engine_core_started(fresh)
+    assert engine, "the API server and its EngineCore, recorded before the kill"
+    fresh.guard().send_signal(signal.SIGKILL)
+    _all_exit(engine, "every process of the engine whose guard was killed to exit")
+    r = wait_for(lambda: (x := loopback.get(f"{fresh.url}/readyz")).status_code == 503 and x, 30,
+                 what="/readyz to turn 503")
+    assert "engine guard killed by signal SIGKILL" in r.json()["engine"]["reason"], r.json()
+    fresh.wait_ready(timeout=300)  # self-healing: a new guard and a new engine
+    body = {"model": fresh.served_name, "prompt": "Hello", "max_tokens": 2}
+    assert loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200

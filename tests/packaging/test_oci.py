@@ -22,12 +22,11 @@ import pytest
 
 from appliance import keys
 from tests import loopback
-from tests.support import REPO, free_port, wait_for
+from tests.support import REPO, free_port, needs_tools, wait_for
 
 TOOLS = ("buildah", "podman", "umoci", "oci-image-tool", "debootstrap", "runc")
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(2400),  # the first test builds the image
-              pytest.mark.skipif(any(shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists() for t in TOOLS),
-                                 reason=f"needs {', '.join(TOOLS)} (make setup installs them)")]
+              needs_tools(*TOOLS)]
 
 
 class Image:
