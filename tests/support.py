@@ -216,6 +216,41 @@ def start_appliance(directory: Path, env: dict[str, str] | None = None, **config
     return running
 
 
+class NotifyListener:
+    """A NOTIFY_SOCKET of our own: what systemd would receive from the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.messages: list[str] = []
+        self.times: list[float] = []  # time.monotonic() at each message
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self._sock.recv(4096).decode()
+                self.times.append(time.monotonic())
+                self.messages.append(message)
+            except OSError:
+                continue
+
+    def index(self, prefix: str, start: int = 0) -> int:
+        return next(i for i, m in enumerate(self.messages) if i >= start and m.startswith(prefix))
+
+    def has(self, prefix: str, start: int = 0) -> bool:
+        return any(m.startswith(prefix) for m in self.messages[start:])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close()
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", explain=None):
     """Poll until `predicate` is true; on timeout fail, with `explain()` (what was going on) when given."""
     deadline = time.monotonic() + timeout

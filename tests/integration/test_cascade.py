@@ -230,6 +230,29 @@ def test_auto_keeps_a_confident_answer_and_escalates_a_doubtful_one(site: Site):
     assert site.recorder.bodies_with(sure) == []
 
 
+def test_auto_with_sync_answers_a_doubtful_request_from_the_regional_cluster(site: Site):
+    """auto + sync: the local answer is judged first; a doubtful one is replaced by the regional answer in the
+    same response, a confident one is kept and nothing leaves the site."""
+    auto_sync = {"X-Appliance-Escalate": "auto", "X-Appliance-Escalation-Mode": "sync"}
+    sure, doubt, since = marker(), marker(), site.recorder.mark()
+    r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto_sync,
+                      json={"model": site.edge.served_name, "prompt": f"{sure}\n1, 2, 3, 4, 5, 6,", "max_tokens": 6,
+                            "temperature": 0})
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "local", r.headers
+    assert r.headers["x-appliance-escalation"] == "none" and r.json()["model"] == site.edge.served_name
+    r = loopback.post(f"{site.url()}/v1/completions", timeout=60, headers=auto_sync,
+                      json={"model": site.edge.served_name, "prompt": f"{doubt} Once upon a time", "max_tokens": 24,
+                            "temperature": 2.0, "seed": 1})
+    assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.headers
+    assert r.headers["x-appliance-escalation"] == "answered" and "low confidence" in r.headers[
+        "x-appliance-escalation-reason"]
+    assert r.json()["model"] == REGIONAL_MODEL
+    assert r.json()["choices"][0]["logprobs"] is None  # the client did not ask for them
+    esc_id = r.headers["x-appliance-escalation-id"]
+    assert site.recorder.delivery_problems({esc_id: doubt}, since) == []  # the confident one never arrived
+    assert site.recorder.bodies_with(doubt)[0].get("logprobs") is None  # the client's request, not the judge's
+
+
 def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: Site):
     m = marker()
     with loopback.stream("POST", f"{site.url()}/v1/completions", timeout=60,

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
 from tests import loopback
-from tests.support import RunningAppliance, start_appliance, wait_for
+from tests.support import NotifyListener, RunningAppliance, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -51,38 +49,6 @@ def _all_exit(procs: list[psutil.Process], what: str) -> None:
     """Every process recorded before a kill is gone (psutil tells a reused pid from the recorded one)."""
     wait_for(lambda: _alive(procs) == [], 30, what=what,
              explain=lambda: "still running: " + "; ".join(f"{p.pid} {p.name()}" for p in _alive(procs)))
-
-
-class NotifyListener:
-    """A NOTIFY_SOCKET of our own: what systemd would receive from the daemon."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.messages: list[str] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(self.path)
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.messages.append(self._sock.recv(4096).decode())
-            except OSError:
-                continue
-
-    def index(self, prefix: str, start: int = 0) -> int:
-        return next(i for i, m in enumerate(self.messages) if i >= start and m.startswith(prefix))
-
-    def has(self, prefix: str, start: int = 0) -> bool:
-        return any(m.startswith(prefix) for m in self.messages[start:])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close()
 
 
 @pytest.fixture()
@@ -201,3 +167,18 @@ def test_guard_sigkill_leaves_no_engine_behind_and_the_engine_comes_back(fresh: 
     fresh.wait_ready(timeout=300)  # self-healing: a new guard and a new engine
     body = {"model": fresh.served_name, "prompt": "Hello", "max_tokens": 2}
     assert loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_an_engine_that_keeps_failing_ends_in_status_failed_and_exit_1(tmp_path, notify: NotifyListener):
+    """The real engine refusing its command line (an unknown flag) every time: the supervisor gives up, systemd
+    reads why in STATUS=, and the exit status 1 lets Restart= and the operator see it."""
+    app = start_appliance(tmp_path / "app", env={"NOTIFY_SOCKET": notify.path},
+                          engine_extra='extra_args = ["--no-such-vllm-flag"]\nmax_failures = 2')
+    try:
+        assert app.proc.wait(180) == 1, app.log_text()[-3000:]
+    finally:
+        app.stop(signal.SIGKILL)
+    failed = [m for m in notify.messages if m.startswith("STATUS=failed: ")]
+    assert failed and "failed 2 times" in failed[-1] and "giving up" in failed[-1], notify.messages
+    assert not notify.has("READY=1") and notify.has("STOPPING=1")
+    assert "--no-such-vllm-flag" in app.log_text()  # the engine's own complaint reaches the log

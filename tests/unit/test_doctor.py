@@ -13,14 +13,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from click.testing import CliRunner
 
-from appliance import doctor
+from appliance import config, doctor, keys
+from appliance.api.app import create_app
+from appliance.api.proxy import EngineProxy, GatewaySettings
 from appliance.cli import main
 from appliance.config import parse
+from appliance.engine.supervisor import EngineSupervisor
 from appliance.engine_watch import EngineSample, EngineWatch, parse_sample
+from appliance.metrics import Metrics
+from appliance.store import RequestLog
 from kvbudget.gpu import Discovery
-from tests.support import model_folder
+from tests.support import free_port, model_folder, wait_for
 
 
 
@@ -245,3 +251,50 @@ def test_doctor_cli_passes_on_a_healthy_setup(tmp_path: Path):
     r = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--no-hash"])
     assert r.exit_code == 0, r.output
     assert "[ok  ] state" in r.output and "overall:" in r.output
+
+
+# -- the command asks the running daemon, with an admin key when keys are required -----------------------
+
+
+@pytest.fixture()
+def daemon_requiring_keys(tmp_path: Path):
+    """The real API (auth middleware, doctor route) on a real port, keys required, with one admin key."""
+    state = tmp_path / "s"
+    state.mkdir()
+    admin = keys.create(state / "appliance.db", "ops", admin=True)[1]
+    user = keys.create(state / "appliance.db", "app")[1]
+    cfg_path = tmp_path / "appliance.toml"
+    port = free_port()
+    cfg_path.write_text(f'[model]\npath = "{model_folder(tmp_path)}"\n[state]\ndirectory = "{state}"\n'
+                        f'[server]\nhost = "127.0.0.1"\nport = {port}\n')
+    cfg = config.load(cfg_path)
+    proxy = EngineProxy(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0),
+                        RequestLog(cfg.database_path, keep_text=False), Metrics())
+
+    async def live() -> dict:
+        return doctor.as_dict([doctor.Finding("kv_pressure", "warn", "KV cache 97% full for 20 minutes", "grow")])
+
+    app = create_app(proxy, verifier=keys.KeyVerifier(cfg.database_path), keys_required=True, doctor=live)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 10, what="the API to listen")
+    yield cfg_path, admin, user
+    server.should_exit = True
+    thread.join(10)
+
+
+def _doctor(cfg: Path, *extra: str, env: dict | None = None) -> dict:
+    r = CliRunner().invoke(main, ["doctor", "--config", str(cfg), "--no-hash", "--json", *extra], env=env)
+    return {f["check"]: f for f in json.loads(r.output)["findings"]}
+
+
+def test_doctor_key_brings_the_live_findings_of_a_daemon_that_requires_keys(daemon_requiring_keys):
+    cfg, admin, user = daemon_requiring_keys
+    live = _doctor(cfg, "--key", admin)
+    assert live["kv_pressure"]["summary"] == "KV cache 97% full for 20 minutes" and "daemon" not in live
+    assert _doctor(cfg, env={"APPLIANCE_API_KEY": admin})["kv_pressure"]["status"] == "warn"
+    for without in (_doctor(cfg, env={"APPLIANCE_API_KEY": ""}), _doctor(cfg, "--key", user)):  # none; not admin
+        assert "kv_pressure" not in without
+        assert without["daemon"]["status"] == "warn" and "--key" in without["daemon"]["advice"], without["daemon"]
+        assert "401" in without["daemon"]["summary"] or "403" in without["daemon"]["summary"]
