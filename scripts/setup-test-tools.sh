@@ -33,9 +33,9 @@ command -v rpm >/dev/null 2>&1 && gen="$(rpm --eval '%{_rpmconfigdir}')/pythondi
 if [ -n "$gen" ] && [ -f "$gen" ]; then
     gen_python=$(sed -n '1s/^#! *\([^ ]*\).*/\1/p' "$gen")
     [ "${gen_python##*/}" = env ] && gen_python=$(sed -n '1s/^#! *[^ ]* *\([^ ]*\).*/\1/p' "$gen")
-    if ! "$gen_python" -c 'import packaging' 2>/dev/null; then
+    if ! "$gen_python" -I -c 'import packaging.requirements' 2>/dev/null; then
         if apt_install "rpm's python dependency generator ($gen_python) imports it" python3-packaging; then
-            "$gen_python" -c 'import packaging' \
+            "$gen_python" -I -c 'import packaging.requirements' \
                 || { say "$gen_python still cannot import packaging after installing python3-packaging"; exit 2; }
         else
             lacking "$gen_python cannot import packaging (rpm's python dependency generator needs it): install python3-packaging"
