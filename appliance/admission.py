@@ -2,7 +2,7 @@
 
 A request that would miss its class's TTFT target is refused immediately (429 with Retry-After)
 instead of queuing until it times out: a queue that grows past what can be served in time only turns
-into tail latency (section 7.4 of the seed; SLO-aware request management in 004).
+into tail latency (docs/background.md: SLO-aware admission).
 
 `decide` is pure: a request and a snapshot of the load in, a verdict out. `AdmissionGate` holds the live
 state (slots in flight per class, the queues, moving averages of service time and prefill speed) and

@@ -3,7 +3,7 @@
 Two halves. The setup checks look at the machine (driver and GPU, engine build, model files and pin,
 kernel pins, state directory, the regional link) and run from the command line with or without a
 daemon. The recipes are pure functions over the engine samples the daemon keeps (engine_watch) and
-apply the troubleshooting recipes of section 8 of the seed, plus section 9's "outgrown the box".
+apply the troubleshooting recipes (docs/background.md), plus "outgrown the box" from its growth ladder.
 Every finding says what to do next.
 """
 

@@ -21,7 +21,7 @@ from appliance.store import RequestRecord
 
 log = logging.getLogger(__name__)
 
-# The engine families worth a fleet operator's dashboard (ENGINE-NOTES.md lists them all).
+# The engine families worth a fleet operator's dashboard (docs/engine-notes.md lists them all).
 ENGINE_FAMILIES = frozenset({
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",

@@ -16,7 +16,7 @@ pooled:
   against random escalation at the same rate (which recovers X%);
 * the threshold of each signal at a 30% escalation rate: the README's default comes from this run.
 
-The default tasks are ones the 135M model gets right part of the time (ENGINE-NOTES.md: on ARC-Easy it
+The default tasks are ones the 135M model gets right part of the time (docs/engine-notes.md: on ARC-Easy it
 is at chance and so are its signals): SciQ with its support passage and the options named, BoolQ with
 its passage, and TriviaQA without context (mostly wrong: the case the cascade exists for).
 `--tasks arc_easy,...` adds ARC-Easy (options named, answered in words).
@@ -92,7 +92,7 @@ def load(task: str, n: int, rng: random.Random) -> list[Item]:
                               (r["correct_answer"],), (r["distractor1"], r["distractor2"], r["distractor3"])))
         return items
     if task == "arc_easy":
-        # Named by the issue; at chance for this model (ENGINE-NOTES.md), so not in the default set.
+        # Named by the issue; at chance for this model (docs/engine-notes.md), so not in the default set.
         rows = rng.sample(_table("ai2_arc/ARC-Easy/validation"), min(n, 570))
         items = []
         for r in rows:

@@ -146,7 +146,7 @@ def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform) -> tu
 
 
 def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, memory_tight: bool) -> Speculative:
-    """Table 4 of the speculative-decoding seed, with the engine hazards from ENGINE-NOTES.md."""
+    """The speculative-decoding table of docs/background.md, with the engine hazards from docs/engine-notes.md."""
     k = targets.num_speculative_tokens
     gdn = model.is_hybrid_linear
     if targets.speculative == "off":

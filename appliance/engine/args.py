@@ -74,7 +74,7 @@ def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key:
         }
     )
     # VLLM_CPU_KVCACHE_SPACE silently overrides --kv-cache-memory-bytes on the CPU
-    # backend (ENGINE-NOTES.md); the plan's figure must win.
+    # backend (docs/engine-notes.md); the plan's figure must win.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     return EngineLaunch(argv=argv, env=env, port=port, internal_key=internal_key)
 

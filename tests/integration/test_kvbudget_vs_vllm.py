@@ -46,7 +46,7 @@ def _folder(tmp_path: Path, name: str) -> Path:
     cfg = json.loads((FIX / f"{name}.json").read_text())
     cfg.setdefault("model_type", MODEL_TYPES[name])
     if "text_config" in cfg:
-        # vLLM's qwen3_5 module imports torchvision, which the CPU setup removes (ENGINE-NOTES.md), so
+        # vLLM's qwen3_5 module imports torchvision, which the CPU setup removes (docs/engine-notes.md), so
         # the Qwen3.5/3.6 shapes go to the oracle as Qwen3-Next: its model class sizes the Gated
         # DeltaNet state with the same MambaStateShapeCalculator/DtypeCalculator functions.
         cfg = {**cfg["text_config"], "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",

@@ -51,7 +51,7 @@ class Image:
         return json.loads(self.blob(self.manifest()["config"]["digest"]).read_text())
 
     def run(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        # this machine's container sandbox refuses podman's default rlimits (ENGINE-NOTES.md)
+        # this machine's container sandbox refuses podman's default rlimits (docs/engine-notes.md)
         return self.podman("run", "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", *args, **kw)
 
     def podman(self, *args: str, **kw) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Golden figures for the models in KV-ACCOUNTING.md section 6. Every expected number is written as the
+"""Golden figures for the models in docs/kv-accounting.md section 6. Every expected number is written as the
 arithmetic that produces it, so a reader can check it by hand."""
 
 from __future__ import annotations

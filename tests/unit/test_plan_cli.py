@@ -23,7 +23,7 @@ def appliance(*args: str) -> subprocess.CompletedProcess:
 def test_seed_audit_reproduces_the_per_token_figures_and_explains_the_gap():
     r = appliance("plan", "--model", SEED, "--gpu", PRO6000, "--sessions", "50", "--context", "32768")
     out = r.stdout
-    assert r.returncode == 1, "50 sessions at 32k do not fit: the seed is optimistic"
+    assert r.returncode == 1, "50 sessions at 32k do not fit: the blueprint is optimistic"
     assert "65,536 B in the model dtype, 32,768 B in FP8 (16 of 64 layers keep KV)" in out
     assert "97,887 MiB are 102.64 GB but 95.59 GiB" in out  # GB vs GiB
     assert "holds back 8%" in out  # vLLM's reserve
