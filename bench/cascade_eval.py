@@ -11,10 +11,15 @@ pooled:
 * the local model's accuracy (every AUROC beside it: a signal cannot sort answers a model gets right
   only by chance);
 * each signal's AUROC for "the local answer is wrong" (0.5 = no better than a coin);
-* the cost/quality curve: the fraction of the local-to-regional quality gap recovered when the
-  least-confident X% are escalated, with the regional answer counted as the reference (always right),
-  against random escalation at the same rate (which recovers X%);
-* the threshold of each signal at a 30% escalation rate: the README's default comes from this run.
+* the cost/quality curve: the fraction of the local-to-regional quality gap recovered when X% of the
+  answers are escalated, the least confident first, with the regional answer counted as the reference
+  (always right). Answers without a signal (empty) are escalated first, as the gateway does, and count
+  against the X%. Beside it, random escalation at the same rate, simulated (--trials draws): its mean
+  and the 5th-95th percentile spread;
+* a held-out check of the threshold: the answers are split in two halves (each task split alike); each
+  signal's threshold at a 30% escalation rate is fitted on the first half and applied to the second,
+  where the escalation rate it really gives, the gap it recovers and random escalation at that rate are
+  reported. The configured default threshold comes from this fit.
 
 The default tasks are ones the 135M model gets right part of the time (docs/engine-notes.md: on ARC-Easy it
 is at chance and so are its signals): SciQ with its support passage and the options named, BoolQ with
@@ -146,19 +151,54 @@ def auroc(scores_wrong: list[float], scores_right: list[float]) -> float:
     return (rank_sum - n1 * (n1 + 1) / 2) / (n1 * n0)
 
 
+def _order(results: list[Result], name: str) -> list[Result]:
+    """Escalation order: answers without the signal first (the gateway escalates them), then least confident."""
+    unscored = [r for r in results if r.sig is None or getattr(r.sig, name) is None]
+    scored = sorted((r for r in results if r.sig is not None and getattr(r.sig, name) is not None),
+                    key=lambda r: getattr(r.sig, name))
+    return unscored + scored
+
+
 def gap_recovered(results: list[Result], name: str, rate: float) -> tuple[float, float | None]:
-    """Escalate the least confident `rate` of answers: the share of wrong answers replaced, and the
+    """Escalate `rate` of all answers, least confident first: the share of wrong answers replaced, and the
     signal value at that cut (the threshold to configure)."""
-    scored = [r for r in results if r.sig is not None and getattr(r.sig, name) is not None]
     wrong = sum(not r.correct for r in results)
-    if not scored or wrong == 0:
+    if wrong == 0:
         return float("nan"), None
-    scored.sort(key=lambda r: getattr(r.sig, name))
+    escalated = _order(results, name)[:int(round(rate * len(results)))]
+    scored = [r for r in escalated if r.sig is not None and getattr(r.sig, name) is not None]
+    cut = getattr(scored[-1].sig, name) if scored else None
+    return sum(not r.correct for r in escalated) / wrong, cut
+
+
+def random_recovered(results: list[Result], rate: float, trials: int, rng: random.Random) -> tuple[float, float, float]:
+    """Random escalation of `rate` of the answers, simulated: mean, 5th and 95th percentile of the gap recovered."""
+    wrong = sum(not r.correct for r in results)
     k = int(round(rate * len(results)))
-    escalated = scored[:k]
-    recovered = sum(not r.correct for r in escalated) + sum(not r.correct for r in results if r.sig is None)
-    cut = getattr(escalated[-1].sig, name) if escalated else None
-    return min(1.0, recovered / wrong), cut
+    if wrong == 0:
+        return float("nan"), float("nan"), float("nan")
+    flags = [not r.correct for r in results]
+    draws = sorted(sum(rng.sample(flags, k)) / wrong for _ in range(trials))
+    return sum(draws) / trials, draws[int(0.05 * (trials - 1))], draws[int(0.95 * (trials - 1))]
+
+
+def apply_threshold(results: list[Result], name: str, threshold: float) -> tuple[float, float]:
+    """The gateway's rule on unseen answers: escalate when the signal is missing or below the threshold.
+    Returns the escalation rate it gives and the share of wrong answers it replaces."""
+    escalated = [r for r in results if r.sig is None or getattr(r.sig, name) is None or getattr(r.sig, name) < threshold]
+    wrong = sum(not r.correct for r in results)
+    return len(escalated) / len(results), (sum(not r.correct for r in escalated) / wrong if wrong else float("nan"))
+
+
+def split_halves(results: list[Result], rng: random.Random) -> tuple[list[Result], list[Result]]:
+    """Fit and test halves, each task split alike."""
+    fit, test = [], []
+    for task in sorted({r.item.task for r in results}):
+        rs = [r for r in results if r.item.task == task]
+        rng.shuffle(rs)
+        fit += rs[:len(rs) // 2]
+        test += rs[len(rs) // 2:]
+    return fit, test
 
 
 async def ask(client: httpx.AsyncClient, url: str, model: str, item: Item) -> Result:
@@ -190,20 +230,35 @@ async def run(args: argparse.Namespace) -> None:
 
     groups = {t: [r for r in results if r.item.task == t] for t in args.tasks.split(",")}
     groups["pooled"] = list(results)
+    sim = random.Random(args.seed + 1)
     for name, rs in groups.items():
         acc = sum(r.correct for r in rs) / len(rs)
         print(f"\n== {name}: {len(rs)} questions, local accuracy {acc:.1%}")
         print(f"{'signal':>18} {'AUROC':>6}   gap recovered when escalating " +
-              " ".join(f"{int(x * 100):>5}%" for x in RATES) + "   threshold@30%")
+              " ".join(f"{int(x * 100):>5}%" for x in RATES))
         for s in SIGNALS:
             wrong = [-getattr(r.sig, s) for r in rs if r.sig and getattr(r.sig, s) is not None and not r.correct]
             right = [-getattr(r.sig, s) for r in rs if r.sig and getattr(r.sig, s) is not None and r.correct]
-            rec = [gap_recovered(rs, s, x) for x in RATES]
-            cut = gap_recovered(rs, s, 0.3)[1]
-            shown_cut = f"{cut:.3f}" if cut is not None else "-"
-            print(f"{s:>18} {auroc(wrong, right):>6.3f}   {'':30}" + " ".join(f"{v:>6.2f}" for v, _ in rec)
-                  + f"   {shown_cut}")
-        print(f"{'random':>18} {0.5:>6.3f}   {'':30}" + " ".join(f"{x:>6.2f}" for x in RATES))
+            rec = [gap_recovered(rs, s, x)[0] for x in RATES]
+            print(f"{s:>18} {auroc(wrong, right):>6.3f}   {'':30}" + " ".join(f"{v:>6.2f}" for v in rec))
+        rand = [random_recovered(rs, x, args.trials, sim) for x in RATES]
+        print(f"{'random (mean)':>18} {'':>6}   {'':30}" + " ".join(f"{m:>6.2f}" for m, _, _ in rand))
+        print(f"{'random (5-95%)':>18} {'':>6}   {'':30}" + " ".join(f"{lo:.2f}-{hi:.2f}" for _, lo, hi in rand))
+
+    fit, test = split_halves(list(results), random.Random(args.seed + 2))
+    print(f"\n== threshold fitted on one half ({len(fit)} answers) at a 30% escalation rate, applied to the other "
+          f"({len(test)}):")
+    print(f"{'signal':>18} {'threshold':>9} {'escalated':>9} {'gap recovered':>13} {'random at that rate (5-95%)':>28}")
+    for s in SIGNALS:
+        cut = gap_recovered(fit, s, 0.3)[1]
+        if cut is None:
+            print(f"{s:>18} {'-':>9}")
+            continue
+        # the cut is the last escalated value: escalate below a threshold just above it
+        threshold = cut + 1e-9
+        rate, recovered = apply_threshold(test, s, threshold)
+        m, lo, hi = random_recovered(test, rate, args.trials, sim)
+        print(f"{s:>18} {cut:>9.3f} {rate:>9.1%} {recovered:>13.2f} {m:>14.2f} ({lo:.2f}-{hi:.2f})")
     print("\nexamples (task, correct, quantile_logprob, answer):")
     for r in results[:: max(1, len(results) // 8)]:
         q = f"{r.sig.quantile_logprob:.2f}" if r.sig else "-"
@@ -216,4 +271,5 @@ if __name__ == "__main__":
     ap.add_argument("--tasks", default="sciq,boolq,triviaqa", help="also: arc_easy")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=2000, help="draws simulating random escalation")
     asyncio.run(run(ap.parse_args()))

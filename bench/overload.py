@@ -3,13 +3,15 @@
     python bench/overload.py [--duration 40] [--capacity 4] [--load 3] [--max-tokens 32]
                              [--targets 1.5,3,6] [--mix 0.2,0.3,0.5]
 
-Two appliances, identical but for `[admission] enabled`, are started one after the other on the same
-engine settings. First the engine's capacity is measured (closed loop at `capacity` streams), then each
-appliance is offered `load` times that rate for `duration` seconds as open-loop Poisson arrivals, the
-requests drawn gold/silver/bronze by `mix` and sent with a key of that class. For each class it prints
-goodput (requests answered with their first token within the class's TTFT target, per second), p99
-TTFT of the answered requests, and how many were refused (429/503) or timed out; and the ratios
-with/without admission.
+Two appliances, identical but for `[admission] enabled`, run side by side (started together, both
+warmed). The capacity is measured on each one's engine directly (its own port, closed loop at `capacity`
+streams, no gateway, no admission), and the mean of the two sets the offered rate: `load` times it for
+`duration` seconds as open-loop Poisson arrivals, the requests drawn gold/silver/bronze by `mix` and
+sent with a key of that class. The runs go A/B/A (with, without, with admission) on the same arrival
+schedule, so a drift of the machine over the run shows as a difference between the two A runs. For each
+run and class it prints goodput (requests answered with their first token within the class's TTFT
+target, per second), p99 TTFT of the answered requests, and how many were refused (429/503) or failed;
+then the ratios with/without admission, for each A run.
 """
 
 from __future__ import annotations
@@ -56,24 +58,29 @@ def admission_toml(enabled: bool, targets: dict[str, float]) -> str:
 
 
 def start(tag: str, capacity: int, enabled: bool, targets: dict[str, float]) -> tuple[RunningAppliance, dict]:
+    """Started, not waited for: both appliances load at once."""
     d = Path(tempfile.mkdtemp(prefix=f"bench-overload-{tag}-"))
     db = d / "state" / "appliance.db"
     db.parent.mkdir(parents=True)
     secrets = {c: keys.create(db, f"bench-{c}", priority_class=c)[1] for c in CLASSES}
     app = start_appliance(d, max_num_seqs=capacity, extra=admission_toml(enabled, targets))
     print(f"[{tag}] starting the appliance (log: {app.log_path}) ...", flush=True)
-    app.wait_ready(900)
     return app, secrets
 
 
-async def one(client: httpx.AsyncClient, app: RunningAppliance, key: str, max_tokens: int,
+def engine_key(app: RunningAppliance) -> str:
+    """The engine's internal key (the daemon writes it beside its state for operators)."""
+    return (app.config.parent / "state" / "engine.key").read_text().strip()
+
+
+async def one(client: httpx.AsyncClient, base_url: str, model: str, key: str, max_tokens: int,
               timeout: float) -> tuple[str, float | None]:
-    body = {"model": app.served_name, "prompt": "Tell me about the weather.", "max_tokens": max_tokens,
+    body = {"model": model, "prompt": "Tell me about the weather.", "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", f"{app.url}/v1/completions", json=body,
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body,
                                      headers={"Authorization": f"Bearer {key}"}) as r:
                 if r.status_code in (429, 503):
                     await r.aread()
@@ -90,14 +97,16 @@ async def one(client: httpx.AsyncClient, app: RunningAppliance, key: str, max_to
         return "failed", None
 
 
-async def capacity_rps(app: RunningAppliance, key: str, streams: int, max_tokens: int, seconds: float) -> float:
+async def capacity_rps(app: RunningAppliance, streams: int, max_tokens: int, seconds: float) -> float:
+    """Requests per second the engine itself completes at `streams` concurrent streams (its own port)."""
     done = 0
     deadline = time.perf_counter() + seconds
+    key = engine_key(app)
     async with httpx.AsyncClient(timeout=300) as client:
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < deadline:
-                status, _ = await one(client, app, key, max_tokens, 300)
+                status, _ = await one(client, app.engine_url, app.served_name, key, max_tokens, 300)
                 done += status == "ok"
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
@@ -112,7 +121,7 @@ async def offer(app: RunningAppliance, secrets: dict, rate: float, duration: flo
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         async def tracked(cls: str) -> None:
-            status, ttft = await one(client, app, secrets[cls], max_tokens, timeout=duration)
+            status, ttft = await one(client, app.url, app.served_name, secrets[cls], max_tokens, timeout=duration)
             r = results[cls]
             if status == "ok":
                 r.ttft.append(ttft)
@@ -151,30 +160,39 @@ def report(tag: str, res: dict[str, ClassResult], duration: float, targets: dict
 async def main(args: argparse.Namespace) -> None:
     targets = dict(zip(CLASSES, (float(x) for x in args.targets.split(","))))
     mix = [float(x) for x in args.mix.split(",")]
-    runs: dict[str, dict[str, ClassResult]] = {}
-    rate = None
-    for tag, enabled in (("with admission", True), ("without admission", False)):
-        app, secrets = start(tag.split()[0], args.capacity, enabled, targets)
-        try:
-            if rate is None:
-                cap = await capacity_rps(app, secrets["silver"], args.capacity, args.max_tokens, args.calibrate)
-                rate = args.load * cap
-                print(f"engine capacity {cap:.2f} requests/s at {args.capacity} streams of {args.max_tokens} tokens; "
-                      f"offering {rate:.2f}/s ({args.load:g}x) for {args.duration:g}s", flush=True)
-            runs[tag] = await offer(app, secrets, rate, args.duration, mix, targets, args.max_tokens, args.seed)
-        finally:
+    apps = {"with": start("with", args.capacity, True, targets), "without": start("without", args.capacity, False, targets)}
+    try:
+        for app, _ in apps.values():
+            app.wait_ready(900)
+        caps = {}
+        for tag, (app, secrets) in apps.items():  # warm each engine, then measure it on its own port
+            await capacity_rps(app, args.capacity, args.max_tokens, 3)
+            caps[tag] = await capacity_rps(app, args.capacity, args.max_tokens, args.calibrate)
+        rate = args.load * sum(caps.values()) / len(caps)
+        print(f"engine capacity (measured on each engine's own port) {caps['with']:.2f} and {caps['without']:.2f} "
+              f"requests/s at {args.capacity} streams of {args.max_tokens} tokens; offering {rate:.2f}/s "
+              f"({args.load:g}x their mean) for {args.duration:g}s per run, A/B/A", flush=True)
+        runs: list[tuple[str, dict[str, ClassResult]]] = []
+        for tag in ("with", "without", "with"):
+            app, secrets = apps[tag]
+            runs.append((tag, await offer(app, secrets, rate, args.duration, mix, targets, args.max_tokens, args.seed)))
+    finally:
+        for app, _ in apps.values():
             app.stop()
-    for tag, res in runs.items():
-        report(tag, res, args.duration, targets)
-    print("\nratios, with / without admission:")
-    for cls in (*CLASSES, "all"):
-        pick = CLASSES if cls == "all" else (cls,)
-        good_on = sum(runs["with admission"][c].good for c in pick)
-        good_off = sum(runs["without admission"][c].good for c in pick)
-        ratio = f"{good_on / good_off:.2f}x" if good_off else f"{good_on} vs 0"
-        p_on = pct([t for c in pick for t in runs["with admission"][c].ttft], 99)
-        p_off = pct([t for c in pick for t in runs["without admission"][c].ttft], 99)
-        print(f"{cls:>7}: goodput {ratio:>8}   p99 ttft {p_on:.2f}s vs {p_off:.2f}s")
+    for i, (tag, res) in enumerate(runs, 1):
+        report(f"run {i}: {tag} admission", res, args.duration, targets)
+    without = runs[1][1]
+    for i in (0, 2):
+        on = runs[i][1]
+        print(f"\nratios, run {i + 1} (with admission) / run 2 (without):")
+        for cls in (*CLASSES, "all"):
+            pick = CLASSES if cls == "all" else (cls,)
+            good_on, good_off = sum(on[c].good for c in pick), sum(without[c].good for c in pick)
+            ratio = f"{good_on / good_off:.2f}x" if good_off else f"{good_on} vs 0"
+            p_on = pct([t for c in pick for t in on[c].ttft], 99)
+            p_off = pct([t for c in pick for t in without[c].ttft], 99)
+            target = f" (target {targets[cls]:g}s: {'met' if p_on <= targets[cls] else 'MISSED'})" if cls in targets else ""
+            print(f"{cls:>7}: goodput {ratio:>8}   p99 ttft {p_on:.2f}s vs {p_off:.2f}s{target}")
 
 
 if __name__ == "__main__":
