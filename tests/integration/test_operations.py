@@ -62,7 +62,7 @@ def test_log_prompts_is_applied_by_a_reload(appliance: RunningAppliance):
     with _config_text(appliance, text.replace("[state]\n", "[state]\nlog_prompts = true\n"), "configuration reloaded"):
         m = marker()
         on = _row(appliance, _ask(appliance, f"Repeat {m}"))
-        assert m in on["prompt"] and on["completion"], on
+        assert on["prompt"] is not None and m in on["prompt"] and on["completion"], on
     after = _row(appliance, _ask(appliance, f"Repeat {marker()}"))
     assert after["prompt"] is None, "reloading the original file turns text logging off again"
 
