@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
-import threading
 import re
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tests import loopback
-from tests.support import free_port
+from tests.support import free_port, serve_in_thread
 
 LinkMode = Literal["pass", "cut", "blackhole", "slow"]
 CANNED = {"id": "canned", "object": "chat.completion", "created": 0, "model": "regional",
@@ -151,13 +152,7 @@ class RegionalRecorder:
         app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
                                 Route("/v1/completions", self._complete, methods=["POST"]),
                                 Route("/v1/models", self._models, methods=["GET"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._server = serve_in_thread(app, self.port)
         self._client: httpx.AsyncClient | None = None
 
     def _authorised(self, request: Request) -> bool:
@@ -179,7 +174,8 @@ class RegionalRecorder:
             return Response(b"<html>proxy error</html>", status_code=200, media_type="text/html")
         if self.behaviour == "error500":
             return JSONResponse({"error": {"message": "regional overloaded"}}, status_code=500)
-        async with self._key_locks[arrival.key or f"no key {id(arrival)}"]:  # concurrent repeats of a key wait
+        # Concurrent repeats of a key wait for the first; a request without a key has nothing to wait for.
+        async with self._key_locks[arrival.key] if arrival.key is not None else contextlib.nullcontext():
             if arrival.key is not None and arrival.key in self._answers:
                 return JSONResponse(self._answers[arrival.key])  # a repeated key: the stored answer, not applied
             status, content = await self._apply(arrival)
@@ -188,7 +184,6 @@ class RegionalRecorder:
                     self.applications.append(arrival)
                 if arrival.key is not None:
                     self._answers[arrival.key] = json.loads(content)
-        self._key_locks.pop(arrival.key or f"no key {id(arrival)}", None)
         return Response(content, status_code=status, media_type="application/json")
 
     async def _apply(self, arrival: Arrival) -> tuple[int, bytes]:
@@ -258,5 +253,4 @@ class RegionalRecorder:
             self.behaviour = "normal"
 
     def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+        self._server.stop()

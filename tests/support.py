@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import uvicorn
 
 from tests import loopback
 
@@ -40,6 +41,30 @@ def require_tool(tool: str) -> str:
     if path is None:
         pytest.skip(f"{tool} not installed (make test-tools installs it)")
     return path
+
+
+@dataclass
+class ThreadedServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread (the tests' stand-in servers)."""
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_in_thread(app, port: int, **config) -> ThreadedServer:
+    """`app` served on 127.0.0.1:`port`, listening when this returns; `config` goes to uvicorn.Config."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                           **{"log_level": "warning", **config}))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, f"uvicorn did not start on port {port}"
+    return ThreadedServer(server, thread)
 
 
 def free_port() -> int:

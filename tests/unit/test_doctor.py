@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from click.testing import CliRunner
 
 from appliance import config, doctor, keys
@@ -26,7 +25,7 @@ from appliance.engine_watch import EngineSample, EngineWatch, parse_sample
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
 from kvbudget.gpu import Discovery
-from tests.support import free_port, model_folder, wait_for
+from tests.support import free_port, model_folder, serve_in_thread
 
 
 
@@ -275,13 +274,9 @@ def daemon_requiring_keys(tmp_path: Path):
         return doctor.as_dict([doctor.Finding("kv_pressure", "warn", "KV cache 97% full for 20 minutes", "grow")])
 
     app = create_app(proxy, verifier=keys.KeyVerifier(cfg.database_path), keys_required=True, doctor=live)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 10, what="the API to listen")
+    server = serve_in_thread(app, port, log_level="error")
     yield cfg_path, admin, user
-    server.should_exit = True
-    thread.join(10)
+    server.stop()
 
 
 def _doctor(cfg: Path, *extra: str, env: dict | None = None) -> dict:

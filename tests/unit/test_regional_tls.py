@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import trustme
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -19,7 +16,7 @@ from starlette.routing import Route
 
 from appliance.config import check_runtime, load
 from cascade.regional import LinkDown, RegionalClient, RegionalSettings, TLSFileError, tls_verify
-from tests.support import free_port
+from tests.support import free_port, serve_in_thread
 
 ANSWER = {"id": "x", "object": "chat.completion", "model": "regional",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
@@ -38,20 +35,11 @@ class TLSServer:
             return JSONResponse(ANSWER)
 
         app = Starlette(routes=[Route("/v1/chat/completions", complete, methods=["POST"])])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off",
-                                ssl_certfile=str(d / "server.pem"), ssl_ca_certs=str(d / "client-ca.pem"),
-                                ssl_cert_reqs=ssl.CERT_REQUIRED)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.server.started
+        self.server = serve_in_thread(app, self.port, log_level="error", ssl_certfile=str(d / "server.pem"),
+                                      ssl_ca_certs=str(d / "client-ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")
