@@ -1,0 +1,401 @@
+"""Ask vLLM itself how it will lay out the KV cache: run in the engine's interpreter, print JSON.
+
+Stdlib and vLLM only, and runnable as a script (`python kvbudget/vllm_probe.py < request.json`), because
+the engine may run under another interpreter (engine.python) that does not have the appliance installed:
+`kvbudget.probe` runs this file with that interpreter and reads the JSON it prints. The planner's own
+process never imports vLLM.
+
+What it does, in the order vLLM's engine does it at start-up (v1/executor/uniproc_executor.py and
+v1/engine/core.py `_initialize_kv_caches`):
+  1. vLLM's own argument parser reads the plan's command line (so a flag vLLM refuses fails here) and
+     EngineArgs.create_engine_config() builds the cache, scheduler, parallel and speculative configs;
+  2. the model class is built on PyTorch's meta device: no weights are read and no device memory is used,
+     but every attention and Mamba layer registers itself and picks its attention backend;
+  3. Platform.update_block_size_for_backend() applies the backend's block-size rules and the hybrid
+     page alignment; every layer reports its KVCacheSpec (the model runner's get_kv_cache_spec);
+  4. resolve_kv_cache_layout(), get_kv_cache_configs(), get_kv_cache_capacity() size the pool.
+
+The target device is the machine's own platform, or an NVIDIA card named by its compute capability: then
+vLLM's CUDA platform class answers for it (device queries return the named card) and the compiled CUDA
+extensions it would import are replaced by empty modules, so that vLLM's Python code, not ours, selects
+the attention backend and its block size. Which extensions a CUDA build ships is the one assumption made
+there; it is listed in EMULATED_CUDA_EXTENSIONS.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+
+# The compiled modules vLLM's CUDA wheel ships (and flashinfer, which the wheel requires) that its Python
+# code imports while building a model and choosing attention backends. FlashAttention 2 and 3 are in the
+# wheel; the FlashAttention 4 (CuTe) sources are not assumed. A name ending in "." stands for a package and
+# everything under it.
+EMULATED_CUDA_EXTENSIONS = (
+    "flashinfer.",
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C",
+    "vllm._flashmla_C",
+    "vllm._flashmla_extension_C",
+    "vllm.third_party.flashmla.flash_mla_interface",
+    "vllm.vllm_flash_attn._vllm_fa2_C",
+    "vllm.vllm_flash_attn._vllm_fa3_C",
+    "vllm.cumem_allocator",
+)
+
+
+# vLLM's own torch.ops namespaces (a CPU build registers only its CPU kernels in them).
+VLLM_OP_NAMESPACES = {"_C", "_moe_C", "_C_cache_ops", "_C_custom_ar", "_flashmla_C", "_flashmla_extension_C",
+                      "_vllm_fa2_C", "_vllm_fa3_C"}
+
+
+class _Anything:
+    """Stands in for any attribute of an emulated extension: callable, indexable, never used for real."""
+
+    def __getattr__(self, name: str) -> "_Anything":
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __call__(self, *a: Any, **k: Any) -> "_Anything":
+        return _Anything()
+
+    # Used in annotations evaluated at import time (`flashinfer.X | None`).
+    def __or__(self, other: Any) -> Any:
+        return Any
+
+    __ror__ = __or__
+
+    def __getitem__(self, item: Any) -> "_Anything":
+        return _Anything()
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = set(names)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        for name in self.names:
+            if fullname == name or (name.endswith(".") and (fullname + ".").startswith(name)):
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=name.endswith("."))
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__version__ = "0"  # type: ignore[attr-defined]
+        if spec.submodule_search_locations is not None:
+            module.__path__ = []  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def _answer_capability_queries() -> None:
+    """vLLM asks its CUDA kernels at import time which weight formats they support (cutlass_*_supports_*);
+    a CPU build lacks those kernels, so they answer False. They choose weight kernels, never the KV layout."""
+    from vllm import _custom_ops as ops
+
+    for name in dir(ops):
+        if "supports" in name and callable(getattr(ops, name)):
+            setattr(ops, name, lambda *a, **k: False)
+    # Layers bind their CUDA kernels (torch.ops._C.silu_and_mul, ...) when they are built. The kernels
+    # never run on the meta device, so once _custom_ops has made its hasattr() checks, a missing one is
+    # answered with a stand-in.
+    import torch._ops
+
+    original = torch._ops._OpNamespace.__getattr__
+
+    def lookup(self: Any, name: str) -> Any:
+        try:
+            return original(self, name)
+        except AttributeError:
+            if name.startswith("__") or getattr(self, "name", "") not in VLLM_OP_NAMESPACES:
+                raise
+            return _Anything()
+
+    torch._ops._OpNamespace.__getattr__ = lookup
+
+
+def _emulate_cuda(cc: tuple[int, int], name: str, memory_bytes: int) -> None:
+    """Make vLLM's CUDA platform class the current platform, answering for the named card."""
+    sys.meta_path.insert(0, _StubFinder(EMULATED_CUDA_EXTENSIONS))
+    import vllm.platforms as platforms
+    from vllm.platforms.cuda import CudaPlatformBase
+    from vllm.platforms.interface import DeviceCapability
+
+    class NamedCard(CudaPlatformBase):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(*cc)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return name
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return memory_bytes
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids: list[int]) -> bool:
+            return True
+
+        @classmethod
+        def log_warnings(cls) -> None:
+            return None
+
+        # Kernel tuning queries (SM count, integrated memory) size work splits, never the KV cache.
+        @classmethod
+        def num_compute_units(cls, device_id: int = 0) -> int:
+            return 132
+
+        @classmethod
+        def is_integrated_gpu(cls, device_id: int = 0) -> bool:
+            return False
+
+    platforms._current_platform = NamedCard()
+    platforms.current_platform = platforms._current_platform
+    _answer_capability_queries()
+    import torch
+
+    # Layers create CUDA streams and events when they are built (MoE shared-expert overlap); a CPU
+    # build of torch cannot, and nothing is ever run on them here.
+    torch.cuda.Stream = _Anything  # type: ignore[misc,assignment]
+    torch.cuda.Event = _Anything  # type: ignore[misc,assignment]
+
+
+def _model_folder(model: str) -> str:
+    """vLLM reads a folder: a bare config.json is given one of its own."""
+    if os.path.isdir(model):
+        return model
+    folder = tempfile.mkdtemp(prefix="kvprobe-")
+    with open(model) as src, open(os.path.join(folder, "config.json"), "w") as dst:
+        dst.write(src.read())
+    return folder
+
+
+def _spec_summary(spec: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type(spec).__name__, "block_size": spec.block_size,
+                           "page_size_bytes": spec.page_size_bytes}
+    for field in ("num_kv_heads", "head_size", "sliding_window", "attention_chunk_size", "mamba_cache_mode"):
+        value = getattr(spec, field, None)
+        if value is not None:
+            out[field] = value
+    dtype = getattr(spec, "dtype", None)
+    if dtype is not None:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    if hasattr(spec, "shapes"):
+        out["state_shapes"] = [list(s) for s in spec.shapes]
+        out["state_bytes"] = getattr(spec, "page_size_bytes", None) if getattr(spec, "page_size_padded", None) is None \
+            else _real_mamba_bytes(spec)
+    return out
+
+
+def _real_mamba_bytes(spec: Any) -> int:
+    from dataclasses import replace
+
+    return replace(spec, page_size_padded=None).page_size_bytes
+
+
+def probe(request: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
+    notes: list[str] = []
+    device = request.get("device") or {"platform": "current"}
+    if device.get("platform") == "cuda":
+        _emulate_cuda(tuple(device["compute_capability"]), device.get("name", "emulated"),
+                      int(device.get("memory_bytes") or 80 << 30))
+
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        # vLLM's CPU build runs without torchvision (its PyPI builds are CUDA-linked), yet the
+        # vision-language model modules import it. On the meta device the vision tower is only built,
+        # never run, and it holds no KV cache, so an empty stand-in lets vLLM build the real class.
+        sys.meta_path.insert(0, _StubFinder(("torchvision.",)))
+        notes.append("torchvision is not installed: the vision tower was built against a stand-in "
+                     "(it holds no KV cache)")
+    import torch
+    import vllm
+    import vllm.model_executor.models.registry as registry
+
+    # vLLM inspects model classes in a child interpreter so that the parent never initialises CUDA. The
+    # probe never does (meta device), and the stand-ins above must apply to the inspection too.
+    registry._run_in_subprocess = lambda fn: fn()
+    from vllm.config.vllm import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.worker.worker_base import get_current_attn_backends, get_supported_kv_cache_layouts
+
+    model = _model_folder(request["model"])
+    args = [str(a) for a in request.get("args", [])]
+    # The probe never loads weights, tokenizer or kernels: these flags only keep it from trying.
+    probe_only = ["--skip-tokenizer-init", "--load-format", "dummy", "--enforce-eager"]
+    if device.get("platform") == "cuda":
+        probe_only += ["--distributed-executor-backend", "uni"]
+
+    def engine_config(model_path: str) -> Any:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
+        ns = parser.parse_args(["--model", model_path, *args, *probe_only])
+        return EngineArgs.from_cli_args(ns).create_engine_config()
+
+    try:
+        vcfg = engine_config(model)
+    except SystemExit as e:  # argparse refuses a flag: it has printed its reason on stderr
+        return {"ok": False, "error": f"vLLM's argument parser refused the command line (exit {e.code})",
+                "stage": "arguments"}
+    except Exception as e:  # vLLM's own refusal, reported as vLLM words it
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "config"}
+
+    tp = vcfg.parallel_config.tensor_parallel_size
+    store = tempfile.mkstemp(prefix="kvprobe-store-")[1]
+    try:
+        with set_current_vllm_config(vcfg):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method=f"file://{store}", backend="gloo")
+            if tp > 1 or vcfg.parallel_config.decode_context_parallel_size > 1:
+                _pretend_tensor_parallel(vcfg)
+            else:
+                ensure_model_parallel_initialized(1, 1)
+        # As BaseModelLoader.load_model does: layers take their dtype from the default one.
+        with set_default_torch_dtype(vcfg.model_config.dtype), torch.device("meta"):
+            initialize_model(vcfg)
+        current_platform.update_block_size_for_backend(vcfg)
+        specs: dict[str, Any] = {}
+        with set_current_vllm_config(vcfg):
+            for name, layer in get_layers_from_vllm_config(vcfg, AttentionLayerBase).items():
+                if getattr(layer, "kv_sharing_target_layer_name", None):
+                    continue
+                spec = layer.get_kv_cache_spec(vcfg)
+                if spec:
+                    specs[name] = spec
+            backends = get_current_attn_backends(vcfg)
+            layouts = [lay.name for lay in get_supported_kv_cache_layouts(backends)]
+        register_all_kvcache_specs(vcfg)
+        resolve_kv_cache_layout(vcfg, [layouts], list(specs.values()))
+        pool = int(vcfg.cache_config.kv_cache_memory_bytes)
+        (kv_cfg,) = get_kv_cache_configs(vcfg, [specs], [pool])
+        tokens, concurrency = get_kv_cache_capacity(vcfg, kv_cfg)
+        groups = []
+        per_request = 0
+        for group in kv_cfg.kv_cache_groups:
+            spec = group.kv_cache_spec
+            blocks = -(-spec.max_memory_usage_bytes(vcfg) // spec.page_size_bytes)
+            per_request += blocks
+            first = specs[group.layer_names[0]]
+            summary = {**_spec_summary(first), "layers": len(group.layer_names), "blocks_per_request": blocks}
+            if groups and {**groups[-1], "groups": 1} == {**summary, "groups": 1}:
+                groups[-1]["groups"] += 1  # vLLM splits a kind into equal groups: shown once, counted
+            else:
+                groups.append({**summary, "groups": 1})
+        sessions_at = {}
+        planned_len = vcfg.model_config.max_model_len
+        for ctx in request.get("contexts", []):
+            if ctx == vcfg.model_config.max_model_len:
+                continue
+            vcfg.model_config.max_model_len = ctx
+            vcfg.scheduler_config.max_model_len = ctx
+            (other,) = get_kv_cache_configs(vcfg, [specs], [pool])
+            sessions_at[str(ctx)] = get_kv_cache_capacity(vcfg, other)[1]
+        vcfg.model_config.max_model_len = planned_len
+        vcfg.scheduler_config.max_model_len = planned_len
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "model"}
+
+    cache = vcfg.cache_config
+    sched = vcfg.scheduler_config
+    spec_cfg = vcfg.speculative_config
+    return {
+        "ok": True,
+        "vllm_version": vllm.__version__,
+        "platform": "cuda (emulated compute capability %d.%d)" % tuple(device["compute_capability"])
+        if device.get("platform") == "cuda" else type(current_platform).__name__,
+        "attention_backends": [b.get_name() for b in backends],
+        "kv_cache_layout": cache.kv_cache_layout if hasattr(cache, "kv_cache_layout") else None,
+        "block_size": cache.block_size,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "mamba_cache_mode": getattr(cache, "mamba_cache_mode", None),
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "max_model_len": vcfg.model_config.max_model_len,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "tensor_parallel_size": tp,
+        "decode_context_parallel_size": vcfg.parallel_config.decode_context_parallel_size,
+        "speculative": None if spec_cfg is None else {"method": spec_cfg.method,
+                                                      "num_speculative_tokens": spec_cfg.num_speculative_tokens},
+        "pool_bytes": pool,
+        "groups": groups,
+        "num_blocks": kv_cfg.num_blocks,
+        "blocks_per_request": per_request,
+        "max_concurrency": concurrency,
+        "kv_tokens": tokens,
+        "sessions_at": sessions_at,
+        "kv_layers": len(specs),
+        "notes": notes,
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def _pretend_tensor_parallel(vcfg: Any) -> None:
+    """Build rank 0 of a tensor-parallel model in one process.
+
+    Layers size their heads from the tensor-parallel group's world size and rank; nothing is
+    communicated on the meta device, so a group object that reports the planned size is enough.
+    """
+    from vllm.distributed import parallel_state
+
+    class RankZeroOf:
+        def __init__(self, size: int) -> None:
+            self.world_size = size
+            self.rank_in_group = 0
+            self.rank = 0
+            self.ranks = list(range(size))
+            self.local_rank = 0
+            self.device_group = None
+            self.cpu_group = None
+
+    tp = vcfg.parallel_config.tensor_parallel_size
+    dcp = vcfg.parallel_config.decode_context_parallel_size
+    parallel_state._TP = RankZeroOf(tp)
+    parallel_state._DCP = RankZeroOf(dcp)
+    parallel_state._PCP = RankZeroOf(1)
+    parallel_state._PP = RankZeroOf(1)
+    parallel_state._DP = RankZeroOf(1)
+    parallel_state._EP = RankZeroOf(1)
+
+
+if __name__ == "__main__":
+    result = probe(json.load(sys.stdin))
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    sys.exit(0 if result.get("ok") else 3)
