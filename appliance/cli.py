@@ -161,15 +161,25 @@ def _size(value: str | None) -> int | None:
 @click.option("--kv-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp8", "fp4"]), default=None)
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="p50 TTFT target.")
 @click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="Time per output token target.")
-@click.option("--draft-model-bytes", default=None, help="Size of an EAGLE-3 draft the site provides (enables EAGLE).")
+@click.option("--draft-model", type=click.Path(path_type=Path), default=None,
+              help="A local EAGLE-3 draft folder (enables EAGLE; its bytes and layers are read from it).")
+@click.option("--prefix-caching", type=click.Choice(["on", "off"]), default=None,
+              help="vLLM's prefix cache (default on; off fits more sessions of hybrid models).")
+@click.option("--engine-python", default=None, help="The engine environment's interpreter (default: engine.python, "
+              "else this one when vLLM is installed here).")
+@click.option("--model-only", is_flag=True, help="Use the kvbudget model alone; do not ask vLLM (faster, no engine).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_backend, kv_pool, sessions, context,
-             workload, kv_dtype, ttft_ms, tpot_ms, draft_model_bytes, as_json) -> None:
+             workload, kv_dtype, ttft_ms, tpot_ms, draft_model, prefix_caching, engine_python, model_only,
+             as_json) -> None:
     """Compute the KV budget and the vLLM settings for a model on a GPU, against the site's targets.
 
-    Exit 0 when every target is met, 1 when a target is missed or the model does not fit (the plan
-    says by how much and what would help), 2 for bad input.
+    When an engine environment exists, vLLM itself checks the plan's command line and its figures
+    replace the kvbudget model's (the plan names its source). Exit 0 when every target is met, 1 when a
+    target is missed or the model does not fit (the plan says by how much and what would help), 2 for
+    bad input or a plan vLLM refuses.
     """
+    from appliance.planning import device_for, with_draft, with_vllm_figures
     from kvbudget.gpu import discover
     from kvbudget.model import ModelError, read_model
     from kvbudget.planner import PlanError, Platform, Targets, make_plan
@@ -188,12 +198,15 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     targets = Targets(
         sessions=sessions or base.sessions, context=context or base.context, workload=workload or base.workload,
         kv_dtype=kv_dtype or base.kv_dtype, ttft_p50_ms=ttft_ms or base.ttft_p50_ms, tpot_ms=tpot_ms or base.tpot_ms,
-        draft_model_bytes=_size(draft_model_bytes),
+        speculative=base.speculative,
+        prefix_caching=base.prefix_caching if prefix_caching is None else prefix_caching == "on",
     )
     try:
+        targets = with_draft(targets, draft_model or (cfg.targets.draft_model if cfg else None))
         model = read_model(path)
         pool = _size(kv_pool) if kv_pool else (
             int(cfg.engine.kv_cache_memory_bytes) if cfg and cfg.engine.kv_cache_memory_bytes else None)
+        discovered = False
         if cpu_backend:
             gpu, platform = None, Platform("cpu")
         else:
@@ -211,8 +224,12 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
                     sys.exit(EXIT_USAGE)
                 gpu = profile_from_discovery(found.gpus[0])
                 platform = Platform("gpu", gpu_count=len(found.gpus) if gpus == 1 else gpus)
+                discovered = True
         plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool,
                          max_num_seqs=cfg.engine.max_num_seqs if cfg else None)
+        if not model_only:
+            python = engine_python or (cfg.engine.python if cfg else None) or None
+            plan = with_vllm_figures(plan, path, device_for(gpu, platform, discovered), python)
     except (ModelError, PlanError, UnknownGpu, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)

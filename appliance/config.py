@@ -118,6 +118,11 @@ class TargetsSection(_Section):
     tpot_ms: Annotated[float, Field(gt=0)] | None = None
     speculative: Literal["auto", "off"] = Field(
         default="auto", description="off: never speculate (the doctor suggests it when acceptance decays).")
+    prefix_caching: bool = Field(
+        default=True, description="vLLM's prefix cache; off plans hybrid models with one state block per "
+                                  "sequence (mamba cache mode none), so more sessions fit.")
+    draft_model: Path | None = Field(
+        default=None, description="A local EAGLE-3 draft folder (config.json + safetensors); enables EAGLE.")
 
 
 class RegionalSection(_Section):

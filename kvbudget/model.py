@@ -317,3 +317,29 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelError(f"{path} is not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """An EAGLE draft as vLLM will load it: its folder, exact weight bytes and the KV layers it adds."""
+
+    path: Path
+    weight_bytes: int
+    kv_layers: int
+
+
+def read_draft(folder: Path) -> DraftModel:
+    """A local EAGLE-3 draft folder: bytes from its safetensors headers, KV layers from its config.json.
+
+    vLLM's EAGLE-3 heads (llama_eagle3.py) build `num_hidden_layers` decoder layers, each with an attention
+    layer that joins the target's KV pool.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"draft model {folder} is not a folder: give the EAGLE-3 draft's local folder")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"draft model {folder} has no config.json")
+    cfg = _read_json(cfg_path)
+    layers = _positive_int(_text_config(cfg) if isinstance(cfg, dict) else {}, "num_hidden_layers")
+    return DraftModel(folder.resolve(), safetensors_bytes(folder), layers)

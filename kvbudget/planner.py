@@ -22,6 +22,7 @@ from kvbudget.accounting import (
     pool_for_sessions,
 )
 from kvbudget.model import ModelShape
+from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
 
 Workload = Literal["chat", "code", "long-context", "tool-calling"]
@@ -45,6 +46,9 @@ class Targets:
     draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
     num_speculative_tokens: int | None = None
     speculative: Literal["auto", "off"] = "auto"  # off: the operator (or the doctor's advice) turned it off
+    prefix_caching: bool = True  # vLLM's default; off trades cache hits for fewer state blocks on hybrids
+    draft_model: str | None = None  # a local EAGLE-3 folder; its path goes into --speculative-config
+    draft_layers: int | None = None  # KV layers the draft adds (counted from its config.json)
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,20 @@ class Speculative:
     num_speculative_tokens: int
     reason: str
 
+    draft_model: str | None = None
+
     def config_json(self) -> str | None:
         if self.method == "none":
             return None
         cfg: dict[str, object] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
+            # vLLM's defaults (SpeculativeConfig: prompt_lookup_min 5, max 5) suit long verbatim spans;
+            # chat and code repeat shorter ones, so the window starts at 2 tokens and looks back 4.
             cfg.update({"prompt_lookup_max": 4, "prompt_lookup_min": 2})
         if self.method == "eagle3":
-            cfg["model"] = "<path to the EAGLE-3 draft>"
+            if not self.draft_model:
+                raise PlanError("EAGLE-3 needs the draft's local folder (targets.draft_model)")
+            cfg["model"] = self.draft_model
         return json.dumps(cfg, separators=(",", ":"))
 
 
@@ -117,6 +127,10 @@ class Plan:
     findings: tuple[Finding, ...]
     notes: tuple[str, ...]
     vllm_args: tuple[str, ...]
+    source: str = "kvbudget model"  # or "vllm X.Y.Z" when vLLM's own figures replaced the model's
+    vllm: VllmFigures | None = None
+    model_figures: KvCapacity | None = None  # the kvbudget model's figures, kept when vLLM's replaced them
+    disagreements: tuple[str, ...] = ()
 
     @property
     def targets_met(self) -> bool:
@@ -156,8 +170,9 @@ def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, 
     if model.mtp_layers:
         return Speculative("mtp", k or min(3, max(1, model.mtp_layers * 2)),
                            "the model ships native MTP heads (acceptance above 80% without a separate draft)")
-    if targets.draft_model_bytes and targets.workload in ("chat", "long-context") and platform.kind == "gpu":
-        return Speculative("eagle3", k or 3, "EAGLE-3 draft provided: best acceptance per cost for dense chat")
+    if targets.draft_model and targets.workload in ("chat", "long-context") and platform.kind == "gpu":
+        return Speculative("eagle3", k or 3, "EAGLE-3 draft provided: best acceptance per cost for dense chat",
+                           targets.draft_model)
     if targets.workload == "code" or memory_tight:
         if gdn:
             return Speculative("none", 0, "n-gram speculation corrupts output on Gated DeltaNet hybrids "
@@ -169,9 +184,9 @@ def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, 
                                   f"{targets.workload}: pass its size to enable it)")
 
 
-def draft_layers(spec: Speculative, model: ModelShape) -> int:
+def draft_layers(spec: Speculative, model: ModelShape, targets: Targets) -> int:
     if spec.method == "eagle3":
-        return 1
+        return targets.draft_layers if targets.draft_layers is not None else 1
     if spec.method == "mtp":
         return max(1, model.mtp_layers)
     return 0
@@ -270,10 +285,11 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
             max_model_len=ctx, kv_dtype=kv_dtype, block_size=platform.block_size,
             kernel_block=platform.block_size if platform.kind == "cpu" else 16,
             tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
-            draft_layers=draft_layers(spec, model), max_num_batched_tokens=platform.batched_tokens(targets),
+            draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
             max_concurrent_batches=1 if platform.kind == "cpu" else 2,
             # vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
             ssm_dtype_bytes=4 if platform.kind == "cpu" else None,
+            mamba_cache_mode="align" if targets.prefix_caching else "none",
         )
 
     pool = kv_pool_bytes if kv_pool_bytes is not None else budget - weights - draft_w - reserve
@@ -339,17 +355,18 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         notes.append(f"p50 TTFT target {targets.ttft_p50_ms:g} ms: prefill speed is measured, not planned; "
                      "admission control enforces it on live traffic")
 
-    max_num_seqs = max_num_seqs or targets.sessions or max(1, min(256, int(cap.max_concurrency)))
-    args = _vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype)
+    max_num_seqs = max_num_seqs or targets.sessions or _seqs_for(cap.max_concurrency)
+    args = _vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching)
     return Plan(gpu, model, targets, platform, True, mem, eng, lay, cap, sessions_at, max_num_seqs, spec, tpot,
                 tuple(findings), tuple(notes), tuple(args))
 
 
 def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int, spec: Speculative,
-               kv_dtype: KvDtype) -> list[str]:
+               kv_dtype: KvDtype, prefix_caching: bool) -> list[str]:
     # Every figure the KV arithmetic used is passed explicitly, so no engine default can differ from the plan.
     args = ["--kv-cache-memory-bytes", str(kv_pool), "--max-model-len", str(eng.max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(eng.max_num_batched_tokens),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if any(g.kind == "linear" for g in lay.groups):
         if eng.mamba_cache_mode == "all":
             raise PlanError("mamba cache mode 'all' exists only in older vLLM releases; plan with 'align' or 'none'")
@@ -404,3 +421,51 @@ def _longest_context_for(model: ModelShape, eng: EngineShape, pool: int, session
         else:
             hi = mid
     return lo or None
+
+
+# -- vLLM's own figures ----------------------------------------------------------------------
+
+
+def follow_vllm(plan: Plan, vllm: VllmFigures) -> Plan:
+    """The plan with vLLM's figures in place of the kvbudget model's, and every difference named.
+
+    vLLM computed them for this plan's own command line, so they are what the engine will allocate; the
+    model's figures stay on the plan (model_figures) when the two disagree.
+    """
+    if not plan.fits or plan.capacity is None or plan.layout is None:
+        return replace(plan, source=vllm.source, vllm=vllm)
+    ours, lay, e = plan.capacity, plan.layout, plan.engine
+    model_groups = len(lay.groups)
+    diffs = [f"{what}: kvbudget model {a}, vLLM {b}" for what, a, b in (
+        ("block size", lay.block_size, vllm.block_size),
+        ("KV cache groups", model_groups, vllm.group_count),
+        ("page bytes", lay.page_bytes, max(g.page_size_bytes for g in vllm.groups)),
+        ("blocks", ours.num_blocks, vllm.num_blocks),
+        ("blocks per request", ours.blocks_per_request, vllm.blocks_per_request),
+        ("max concurrency", f"{ours.max_concurrency:.4f}", f"{vllm.max_concurrency:.4f}"),
+    ) if a != b]
+    cap = replace(ours, num_blocks=vllm.num_blocks, blocks_per_request=vllm.blocks_per_request,
+                  max_concurrency=vllm.max_concurrency, tokens_reported=vllm.kv_tokens)
+    sessions_at = {ctx: vllm.sessions_at.get(ctx, n) for ctx, n in plan.sessions_at.items()}
+    sessions_at[e.max_model_len] = vllm.max_concurrency
+    findings = [f for f in plan.findings if f.target not in ("sessions",) and not f.wanted.startswith("one request")]
+    context = e.max_model_len
+    if vllm.max_concurrency < 1:
+        findings.append(Finding("context", f"one request of {context:,} tokens", f"{vllm.max_concurrency:.2f} requests",
+                                100 * (1 - vllm.max_concurrency), ("a shorter context", "a bigger KV pool")))
+    t = plan.targets
+    if t.sessions and vllm.max_concurrency < t.sessions:
+        findings.append(Finding("sessions", f"{t.sessions} sessions at {context:,} tokens",
+                                f"{vllm.max_concurrency:.1f}", 100 * (t.sessions - vllm.max_concurrency) / t.sessions,
+                                tuple(r for f in plan.findings if f.target == "sessions" for r in f.remedies)))
+    seqs, args = plan.max_num_seqs, list(plan.vllm_args)
+    if not t.sessions and seqs == _seqs_for(ours.max_concurrency):  # chosen from capacity, not fixed
+        seqs = _seqs_for(vllm.max_concurrency)
+        args[args.index("--max-num-seqs") + 1] = str(seqs)
+    return replace(plan, capacity=cap, sessions_at=sessions_at, findings=tuple(findings), source=vllm.source,
+                   vllm=vllm, model_figures=ours if diffs else None, disagreements=tuple(diffs),
+                   max_num_seqs=seqs, vllm_args=tuple(args))
+
+
+def _seqs_for(concurrency: float) -> int:
+    return max(1, min(256, int(concurrency)))

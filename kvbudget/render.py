@@ -16,6 +16,7 @@ def gb(n: float) -> str:
 def plan_dict(p: Plan) -> dict[str, Any]:
     m = p.memory
     d: dict[str, Any] = {
+        "source": p.source,
         "fits": p.fits,
         "targets_met": p.targets_met,
         "gpu": {"name": p.gpu.name, "memory_bytes": p.gpu.memory_bytes, "count": p.platform.gpu_count,
@@ -50,6 +51,22 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         }
         d["sessions_at_context"] = {str(k): v for k, v in p.sessions_at.items()}
         d["tpot_floor_ms"] = p.tpot_floor_ms
+    if p.vllm:
+        v = p.vllm
+        d["kv"].update({"block_size": v.block_size, "groups": v.group_count, "page_bytes": max(g.page_size_bytes for g in v.groups)})
+        d["vllm"] = {"version": v.vllm_version, "platform": v.platform, "attention_backends": list(v.attention_backends),
+                     "block_size": v.block_size, "kv_cache_dtype": v.kv_cache_dtype,
+                     "mamba_cache_mode": v.mamba_cache_mode, "enable_prefix_caching": v.enable_prefix_caching,
+                     "groups": [g.__dict__ for g in v.groups], "num_blocks": v.num_blocks,
+                     "blocks_per_request": v.blocks_per_request, "max_concurrency": v.max_concurrency,
+                     "kv_tokens": v.kv_tokens, "probe_seconds": v.seconds, "notes": list(v.notes)}
+    if p.disagreements:
+        d["disagreements"] = list(p.disagreements)
+        m = p.model_figures
+        d["kvbudget_model"] = {"block_size": p.layout.block_size, "groups": len(p.layout.groups),
+                               "page_bytes": p.layout.page_bytes, "num_blocks": m.num_blocks,
+                               "blocks_per_request": m.blocks_per_request, "max_concurrency": m.max_concurrency,
+                               "kv_tokens_reported": m.tokens_reported}
     return d
 
 
@@ -107,6 +124,11 @@ def plan_text(p: Plan) -> str:
             lines.append(f"  {f.target}: wanted {f.wanted}, got {f.achieved} (short by {f.shortfall_pct:.0f}%)")
             for r in f.remedies:
                 lines.append(f"    - {r}")
+    lines += ["", f"Figures from: {p.source}" + (f" ({p.vllm.platform}, attention backend "
+                                                    f"{'/'.join(p.vllm.attention_backends)}, asked in {p.vllm.seconds:.1f} s)"
+                                                    if p.vllm else "")]
+    if p.disagreements:
+        lines += ["  the kvbudget model disagrees; the plan follows vLLM:"] + [f"    - {d}" for d in p.disagreements]
     if p.notes:
         lines += ["", "Notes"] + [f"  - {n}" for n in p.notes]
     if p.vllm_args:

@@ -85,6 +85,11 @@ class _Anything:
         return (object,)
 
 
+class _TritonConfig:
+    def __init__(self, kwargs: dict[str, Any], num_warps: int = 4, num_stages: int = 2, **rest: Any) -> None:
+        self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -185,6 +190,12 @@ def _emulate_cuda(cc: tuple[int, int], name: str, memory_bytes: int) -> None:
     # build of torch cannot, and nothing is ever run on them here.
     torch.cuda.Stream = _Anything  # type: ignore[misc,assignment]
     torch.cuda.Event = _Anything  # type: ignore[misc,assignment]
+    # Without a Triton GPU backend vLLM substitutes a placeholder module; kernel modules read the
+    # autotuning configs they declare at import time (Mamba2's drop sm90-racy configs).
+    from vllm.triton_utils import triton
+
+    if type(triton).__name__ == "TritonPlaceholder":
+        triton.Config = _TritonConfig  # type: ignore[attr-defined]
 
 
 def _model_folder(model: str) -> str:
@@ -220,14 +231,17 @@ def _real_mamba_bytes(spec: Any) -> int:
     return replace(spec, page_size_padded=None).page_size_bytes
 
 
-def probe(request: dict[str, Any]) -> dict[str, Any]:
-    started = time.monotonic()
+_PREPARED: dict[str, Any] = {}
+
+
+def prepare(device: dict[str, Any]) -> list[str]:
+    """Once per process, before vLLM is imported: the target platform and the stand-ins it needs."""
     notes: list[str] = []
-    device = request.get("device") or {"platform": "current"}
     if device.get("platform") == "cuda":
         _emulate_cuda(tuple(device["compute_capability"]), device.get("name", "emulated"),
                       int(device.get("memory_bytes") or 80 << 30))
-
+        notes.append("NVIDIA compute capability %d.%d emulated on this machine: vLLM's CUDA platform chose the "
+                     "backends, without running a kernel" % tuple(device["compute_capability"]))
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
@@ -235,17 +249,45 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         # vision-language model modules import it. On the meta device the vision tower is only built,
         # never run, and it holds no KV cache, so an empty stand-in lets vLLM build the real class.
         sys.meta_path.insert(0, _StubFinder(("torchvision.",)))
-        notes.append("torchvision is not installed: the vision tower was built against a stand-in "
-                     "(it holds no KV cache)")
-    import torch
-    import vllm
     import vllm.model_executor.models.registry as registry
 
     # vLLM inspects model classes in a child interpreter so that the parent never initialises CUDA. The
     # probe never does (meta device), and the stand-ins above must apply to the inspection too.
     registry._run_in_subprocess = lambda fn: fn()
+    _PREPARED["device"] = device
+    return notes
+
+
+def _init_parallel(vcfg: Any) -> None:
+    """A one-process distributed world (made once) and this model's parallel groups (made per model: the
+    expert-parallel group exists only for MoE models); tensor parallel > 1 is rank 0 of a pretend group."""
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, parallel_state
+
+    with set_current_vllm_config(vcfg):
+        if not _PREPARED.get("world"):
+            store = tempfile.mkstemp(prefix="kvprobe-store-")[1]
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method=f"file://{store}", backend="gloo")
+            _PREPARED["world"] = True
+        else:
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+    if vcfg.parallel_config.tensor_parallel_size > 1 or vcfg.parallel_config.decode_context_parallel_size > 1:
+        _pretend_tensor_parallel(vcfg)
+
+
+def probe(request: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's figures for one command line (`args`) on one model, or vLLM's refusal."""
+    started = time.monotonic()
+    if "device" not in _PREPARED:
+        prepare(request.get("device") or {"platform": "current"})
+    device = _PREPARED["device"]
+    notes: list[str] = []
+
+    import torch
+    import vllm
     from vllm.config.vllm import get_layers_from_vllm_config, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -264,29 +306,19 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     if device.get("platform") == "cuda":
         probe_only += ["--distributed-executor-backend", "uni"]
 
-    def engine_config(model_path: str) -> Any:
-        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
-        ns = parser.parse_args(["--model", model_path, *args, *probe_only])
-        return EngineArgs.from_cli_args(ns).create_engine_config()
-
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
     try:
-        vcfg = engine_config(model)
-    except SystemExit as e:  # argparse refuses a flag: it has printed its reason on stderr
-        return {"ok": False, "error": f"vLLM's argument parser refused the command line (exit {e.code})",
-                "stage": "arguments"}
-    except Exception as e:  # vLLM's own refusal, reported as vLLM words it
+        ns = parser.parse_args(["--model", model, *args, *probe_only])
+    except SystemExit as e:  # argparse has printed its reason on stderr
+        return {"ok": False, "stage": "arguments",
+                "error": f"vLLM's argument parser refused the command line {args} (exit {e.code})"}
+    try:
+        vcfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    except Exception as e:  # vLLM's own refusal, worded by vLLM
         return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "config"}
 
-    tp = vcfg.parallel_config.tensor_parallel_size
-    store = tempfile.mkstemp(prefix="kvprobe-store-")[1]
     try:
-        with set_current_vllm_config(vcfg):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                         distributed_init_method=f"file://{store}", backend="gloo")
-            if tp > 1 or vcfg.parallel_config.decode_context_parallel_size > 1:
-                _pretend_tensor_parallel(vcfg)
-            else:
-                ensure_model_parallel_initialized(1, 1)
+        _init_parallel(vcfg)
         # As BaseModelLoader.load_model does: layers take their dtype from the default one.
         with set_default_torch_dtype(vcfg.model_config.dtype), torch.device("meta"):
             initialize_model(vcfg)
@@ -306,14 +338,14 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         pool = int(vcfg.cache_config.kv_cache_memory_bytes)
         (kv_cfg,) = get_kv_cache_configs(vcfg, [specs], [pool])
         tokens, concurrency = get_kv_cache_capacity(vcfg, kv_cfg)
-        groups = []
+        groups: list[dict[str, Any]] = []
         per_request = 0
         for group in kv_cfg.kv_cache_groups:
             spec = group.kv_cache_spec
             blocks = -(-spec.max_memory_usage_bytes(vcfg) // spec.page_size_bytes)
             per_request += blocks
-            first = specs[group.layer_names[0]]
-            summary = {**_spec_summary(first), "layers": len(group.layer_names), "blocks_per_request": blocks}
+            summary = {**_spec_summary(specs[group.layer_names[0]]), "layers": len(group.layer_names),
+                       "blocks_per_request": blocks}
             if groups and {**groups[-1], "groups": 1} == {**summary, "groups": 1}:
                 groups[-1]["groups"] += 1  # vLLM splits a kind into equal groups: shown once, counted
             else:
@@ -321,8 +353,6 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         sessions_at = {}
         planned_len = vcfg.model_config.max_model_len
         for ctx in request.get("contexts", []):
-            if ctx == vcfg.model_config.max_model_len:
-                continue
             vcfg.model_config.max_model_len = ctx
             vcfg.scheduler_config.max_model_len = ctx
             (other,) = get_kv_cache_configs(vcfg, [specs], [pool])
@@ -341,7 +371,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         "platform": "cuda (emulated compute capability %d.%d)" % tuple(device["compute_capability"])
         if device.get("platform") == "cuda" else type(current_platform).__name__,
         "attention_backends": [b.get_name() for b in backends],
-        "kv_cache_layout": cache.kv_cache_layout if hasattr(cache, "kv_cache_layout") else None,
+        "kv_cache_layout": getattr(cache, "kv_cache_layout", None),
         "block_size": cache.block_size,
         "kv_cache_dtype": str(cache.cache_dtype),
         "mamba_cache_mode": getattr(cache, "mamba_cache_mode", None),
@@ -349,7 +379,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         "max_model_len": vcfg.model_config.max_model_len,
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
-        "tensor_parallel_size": tp,
+        "tensor_parallel_size": vcfg.parallel_config.tensor_parallel_size,
         "decode_context_parallel_size": vcfg.parallel_config.decode_context_parallel_size,
         "speculative": None if spec_cfg is None else {"method": spec_cfg.method,
                                                       "num_speculative_tokens": spec_cfg.num_speculative_tokens},
@@ -364,6 +394,23 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         "notes": notes,
         "seconds": round(time.monotonic() - started, 2),
     }
+
+
+def main() -> int:
+    """stdin: one request, or {"device": ..., "requests": [...]}; stdout: the answer(s) as JSON."""
+    job = json.load(sys.stdin)
+    # vLLM logs to stdout; the answer alone goes there, so everything before it goes to stderr.
+    answer_to, sys.stdout = sys.stdout, sys.stderr
+    setup_notes = prepare(job.get("device") or {"platform": "current"})
+    if "requests" in job:
+        answers = [probe(r) for r in job["requests"]]
+    else:
+        answers = [probe(job)]
+    for a in answers:
+        a.setdefault("notes", [])[:0] = setup_notes
+    json.dump({"answers": answers} if "requests" in job else answers[0], answer_to)
+    answer_to.write("\n")
+    return 0 if all(a.get("ok") for a in answers) else 3
 
 
 def _pretend_tensor_parallel(vcfg: Any) -> None:
@@ -395,7 +442,4 @@ def _pretend_tensor_parallel(vcfg: Any) -> None:
 
 
 if __name__ == "__main__":
-    result = probe(json.load(sys.stdin))
-    json.dump(result, sys.stdout)
-    sys.stdout.write("\n")
-    sys.exit(0 if result.get("ok") else 3)
+    sys.exit(main())

@@ -37,7 +37,7 @@ def _daemon(tmp_path: Path, act: bool, doctor: str = "") -> tuple[Daemon, Record
     path = write_config(tmp_path, extra=f'[targets]\nworkload = "code"\n'
                                         f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n{doctor}")
     cfg = load(path)
-    daemon = Daemon(cfg, plan_for_config(cfg, Discovery(error="no NVIDIA driver")))
+    daemon = Daemon(cfg, plan_for_config(cfg, Discovery(error="no NVIDIA driver"), ask_vllm=False))
     assert daemon.site_plan.plan.speculative.method == "ngram"  # code on a tight budget: n-gram drafts
     daemon.supervisor.status.state = EngineState.READY
     recorder = RecordingSupervisor(daemon.supervisor)
