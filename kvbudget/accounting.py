@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvbudget.model import ModelShape
+from kvbudget.model import STATE_KINDS, ModelShape
 
 KvDtype = Literal["auto", "bf16", "fp16", "fp8", "fp4"]
 MambaCacheMode = Literal["none", "align", "all"]
@@ -61,10 +61,11 @@ class EngineShape:
 class LayerSpec:
     """One layer's cache on one rank, like vLLM's FullAttentionSpec / SlidingWindowSpec / MambaSpec."""
 
-    kind: Literal["full", "sliding", "mla", "linear"]
-    page_bytes: int  # after padding (a linear-attention state is padded to the attention page)
+    kind: Literal["full", "sliding", "chunked", "mla", "linear", "mamba"]
+    page_bytes: int  # after padding (a recurrent state is padded to the attention page)
     block_size: int
     sliding_window: int | None = None
+    chunk_size: int | None = None
 
     def blocks_per_request(self, e: EngineShape) -> int:
         """vLLM: cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes)."""
@@ -75,9 +76,15 @@ class LayerSpec:
             in_flight = e.max_concurrent_batches * e.max_num_batched_tokens
             tokens = min(self.sliding_window - 1 + in_flight, e.max_model_len)
             return cdiv(tokens, self.block_size) + 1
+        if self.kind == "chunked":  # ChunkedLocalAttentionSpec: one chunk plus the tokens in flight
+            assert self.chunk_size is not None
+            in_flight = e.max_concurrent_batches * e.max_num_batched_tokens
+            return cdiv(min(self.chunk_size + in_flight, e.max_model_len), self.block_size)
         spec_blocks = e.num_speculative_tokens
         if e.mamba_cache_mode == "align":
-            return 2 + spec_blocks
+            # MambaSpec: the running state and the last block boundary's; Mamba2 mixers also keep a
+            # prefill checkpoint block (MambaMixer2.get_kv_cache_spec).
+            return 2 + spec_blocks + (1 if self.kind == "mamba" else 0)
         if e.mamba_cache_mode == "all":  # releases before 0.2x kept a state per block
             return cdiv(e.max_model_len, self.block_size)
         return 1 + spec_blocks
@@ -108,8 +115,8 @@ class KvLayout:
 
     @property
     def per_token_kv_bytes(self) -> float:
-        """Bytes of per-token KV across the layers that keep one (excludes linear-attention state)."""
-        return self.attn_page_per_token * sum(g.layers for g in self.groups if g.kind != "linear")
+        """Bytes of per-token KV across the layers that keep one (excludes recurrent state)."""
+        return self.attn_page_per_token * sum(g.layers for g in self.groups if g.kind not in STATE_KINDS)
 
     def blocks_per_request(self, e: EngineShape) -> int:
         return sum(g.spec.blocks_per_request(e) for g in self.groups)
@@ -120,7 +127,7 @@ class KvLayout:
         Every group draws block ids from one pool, and one block id costs `bytes_per_block`
         (group_size pages), so the state costs its blocks times that, padding included.
         """
-        return sum(g.spec.blocks_per_request(e) for g in self.groups if g.kind == "linear") * self.bytes_per_block
+        return sum(g.spec.blocks_per_request(e) for g in self.groups if g.kind in STATE_KINDS) * self.bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,21 @@ def kv_bytes_per_element(shape: ModelShape, e: EngineShape) -> float:
     if e.kv_dtype == "auto":
         return float(shape.dtype_bytes)
     return KV_DTYPE_BYTES[e.kv_dtype]
+
+
+def state_bytes(shape: ModelShape, e: EngineShape) -> int | None:
+    """One sequence's recurrent state in one layer, unpadded (MambaSpec.real_page_size_bytes)."""
+    if shape.linear:  # Gated DeltaNet: conv state + (value heads x value dim x key dim) recurrent state
+        la = shape.linear
+        conv = (la.conv_kernel - 1 + e.num_speculative_tokens) * (la.conv_dim // e.tp) * shape.dtype_bytes
+        return conv + (la.num_value_heads // e.tp) * la.value_head_dim * la.key_head_dim * (
+            e.ssm_dtype_bytes or la.ssm_dtype_bytes)
+    if shape.mamba:  # Mamba2: conv state + (heads x head dim x state size) SSM state
+        m = shape.mamba
+        conv = (m.conv_kernel - 1 + e.num_speculative_tokens) * m.conv_dim(e.tp) * shape.dtype_bytes
+        return conv + (m.num_heads // e.tp) * m.head_dim * m.state_size * (
+            e.ssm_dtype_bytes or m.ssm_dtype_bytes or shape.dtype_bytes)
+    return None
 
 
 def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
@@ -158,13 +180,9 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
         attn_per_token = 2 * kv_heads_rank * shape.head_dim * kv_b
 
     block = e.block_size
-    mamba_real = None
+    mamba_real = state_bytes(shape, e)
     mamba_pad_pct = None
-    if shape.linear:
-        la = shape.linear
-        conv = (la.conv_kernel - 1 + e.num_speculative_tokens) * (la.conv_dim // e.tp) * shape.dtype_bytes
-        ssm = (la.num_value_heads // e.tp) * la.value_head_dim * la.key_head_dim * (e.ssm_dtype_bytes or la.ssm_dtype_bytes)
-        mamba_real = conv + ssm
+    if mamba_real:
         # Platform._align_hybrid_block_size: the smallest aligned block whose page holds a state.
         align = max(e.kernel_block, e.block_size)
         attn_block = align * cdiv(mamba_real, int(align * attn_per_token))
@@ -179,10 +197,10 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
 
     layer_specs: list[LayerSpec] = []
     for kind in shape.layer_kinds:
-        if kind == "linear":
-            layer_specs.append(LayerSpec("linear", page, block))
-        elif kind == "sliding":
+        if kind == "sliding":
             layer_specs.append(LayerSpec("sliding", page, block, shape.sliding_window))
+        elif kind == "chunked":
+            layer_specs.append(LayerSpec("chunked", page, block, chunk_size=shape.attention_chunk_size))
         else:
             layer_specs.append(LayerSpec(kind, page, block))
     # EAGLE/MTP draft attention layers join the same pool as full-attention layers.
@@ -193,7 +211,7 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
     # _get_kv_cache_groups_uniform_page_size (bucket by type, equal-size groups, padding).
     buckets: dict[tuple, list[LayerSpec]] = {}
     for spec in layer_specs:
-        key = (spec.kind if spec.kind != "mla" else "full", spec.sliding_window)
+        key = (spec.kind if spec.kind != "mla" else "full", spec.sliding_window, spec.chunk_size)
         buckets.setdefault(key, []).append(spec)
     if len(buckets) == 1:
         (only,) = buckets.values()

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-LayerKind = Literal["full", "sliding", "mla", "linear"]
+# Cache-holding modules, in layer order: attention (full, sliding window, chunked local, MLA) keeps
+# per-token KV; linear (Gated DeltaNet) and mamba (Mamba2) keep a fixed recurrent state per sequence.
+LayerKind = Literal["full", "sliding", "chunked", "mla", "linear", "mamba"]
+STATE_KINDS = ("linear", "mamba")
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "fp32": 4,
@@ -42,6 +45,24 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class Mamba2State:
+    """A Mamba2 mixer's state shape (Granite-4.0-H, Nemotron-H, Falcon-H1), as vLLM's
+    MambaStateShapeCalculator.mamba2_state_shape computes it."""
+
+    intermediate_size: int
+    n_groups: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    conv_kernel: int
+    ssm_dtype_bytes: int | None = None  # None: the model dtype
+
+    def conv_dim(self, tp: int) -> int:
+        groups = self.n_groups if self.n_groups % tp == 0 else self.n_groups + tp - self.n_groups
+        return (self.intermediate_size + 2 * groups * self.state_size) // tp
+
+
+@dataclass(frozen=True)
 class ModelShape:
     name: str
     architecture: str
@@ -56,6 +77,10 @@ class ModelShape:
     sliding_window: int | None = None
     mla_latent_dim: int | None = None  # kv_lora_rank + qk_rope_head_dim
     linear: LinearAttention | None = None
+    mamba: Mamba2State | None = None
+    attention_chunk_size: int | None = None
+    model_type: str = ""
+    layers: int = 0  # decoder layers (a layer can hold attention and a Mamba2 mixer side by side)
     intermediate_size: int | None = None
     num_experts: int = 0
     moe_intermediate_size: int | None = None
@@ -69,7 +94,7 @@ class ModelShape:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_kinds)
+        return self.layers or len(self.layer_kinds)
 
     def count(self, kind: LayerKind) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
@@ -79,9 +104,13 @@ class ModelShape:
         return self.count("linear") > 0
 
     @property
+    def state_layers(self) -> int:
+        return sum(self.count(k) for k in STATE_KINDS)
+
+    @property
     def kv_layers(self) -> int:
-        """Layers that keep a per-token KV cache."""
-        return self.num_layers - self.count("linear")
+        """Modules that keep a per-token KV cache."""
+        return len(self.layer_kinds) - self.state_layers
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -117,39 +146,117 @@ def _dtype_bytes(name: Any, default: int = 2) -> int:
     return DTYPE_BYTES[key]
 
 
+# Fields transformers fills in when a config.json leaves them out (the defaults of its config classes),
+# which vLLM then reads: Gemma-3's published configs omit head_dim, whose default is not hidden / heads.
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 256},
+    "gemma2": {"head_dim": 256},
+    "gemma3_text": {"head_dim": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "max_position_embeddings": 131072, "vocab_size": 262208},
+    "cohere2": {"sliding_window_pattern": 4},
+    "llama4_text": {"no_rope_layer_interval": 4},
+}
+# ChatGLM (THUDM) names its fields its own way.
+CHATGLM_FIELDS = {"num_layers": "num_hidden_layers", "kv_channels": "head_dim", "padded_vocab_size": "vocab_size",
+                  "seq_length": "max_position_embeddings", "ffn_hidden_size": "intermediate_size"}
+# Architectures vLLM serves as generative models although their names do not say so.
+GENERATIVE_ARCHITECTURES = {"ChatGLMModel"}
+
+
+def _with_defaults(t: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in CONFIG_DEFAULTS.get(str(t.get("model_type", "")), {}).items()}
+    out.update({k: v for k, v in t.items() if v is not None})
+    if out.get("model_type") == "chatglm":
+        for theirs, ours in CHATGLM_FIELDS.items():
+            if theirs in out and ours not in out:
+                out[ours] = out[theirs]
+        if out.get("multi_query_attention") and out.get("multi_query_group_num"):
+            out["num_key_value_heads"] = out["multi_query_group_num"]
+    return out
+
+
+LAYER_TYPE_NAMES: dict[str, str] = {
+    "full_attention": "attn", "attention": "attn", "sliding_attention": "sliding",
+    "sliding_window_attention": "sliding", "chunked_attention": "chunked", "linear_attention": "linear",
+    "mamba": "mamba", "mamba2": "mamba",
+}
+
+
 def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[LayerKind, ...]:
+    """The cache-holding modules in layer order, the way the model's vLLM class builds them."""
     mla = cfg.get("kv_lora_rank") is not None
+    attn: LayerKind = "mla" if mla else "full"
+    model_type = str(cfg.get("model_type", ""))
     types = cfg.get("layer_types")
     if isinstance(types, list) and types:
         if len(types) != n:
             raise ModelError(f"config.json layer_types has {len(types)} entries for {n} layers")
-        mapping: dict[str, LayerKind] = {
-            "full_attention": "mla" if mla else "full",
-            "attention": "mla" if mla else "full",
-            "sliding_attention": "sliding",
-            "sliding_window_attention": "sliding",
-            "linear_attention": "linear",
-        }
         out = []
         for t in types:
-            if t not in mapping:
-                raise ModelError(f"unsupported layer type {t!r} in layer_types (known: {', '.join(mapping)})")
-            out.append(mapping[t])
-        return tuple(out)
+            if t not in LAYER_TYPE_NAMES:
+                raise ModelError(f"unsupported layer type {t!r} in layer_types (known: {', '.join(LAYER_TYPE_NAMES)})")
+            kind = LAYER_TYPE_NAMES[t]
+            out.append(attn if kind == "attn" else kind)
+        return tuple(out)  # type: ignore[arg-type]
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        # Nemotron-H: M is a Mamba2 mixer, * an attention layer, - and E are MLP / MoE layers (no cache).
+        if len(pattern) != n:
+            raise ModelError(f"config.json hybrid_override_pattern has {len(pattern)} entries for {n} layers")
+        return tuple("mamba" if c == "M" else attn for c in pattern if c in "M*")  # type: ignore[misc]
+    if model_type == "falcon_h1":
+        # Every Falcon-H1 layer runs attention and a Mamba2 mixer side by side: both keep a cache.
+        return (attn,) * n + ("mamba",) * n  # type: ignore[return-value]
     interval = cfg.get("full_attention_interval")
     if isinstance(interval, int) and interval > 0 and cfg.get("linear_num_value_heads"):
         # Qwen3-Next style: every interval-th layer is full attention, the rest linear.
         return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(n))
     if mla:
         return ("mla",) * n
+    chunk = cfg.get("attention_chunk_size")
+    if chunk:
+        # Llama-4: layers with RoPE attend within chunks; the NoPE layers (no_rope_layers[i] == 0) are global.
+        no_rope = cfg.get("no_rope_layers")
+        if not isinstance(no_rope, list) or len(no_rope) != n:
+            every = int(cfg.get("no_rope_layer_interval") or 4)
+            no_rope = [int((i + 1) % every != 0) for i in range(n)]
+        return tuple("chunked" if no_rope[i] else "full" for i in range(n))
     window = cfg.get("sliding_window")
     if window:
+        if model_type == "gemma2":  # alternating, starting with a sliding layer
+            return tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+        every = cfg.get("sliding_window_pattern")
+        if isinstance(every, int) and every > 0:  # Gemma-3, Cohere2: every `every`-th layer is global
+            return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(n))
         if "use_sliding_window" not in cfg:  # Mistral style: a window means every layer uses it
             return ("sliding",) * n
         if cfg["use_sliding_window"]:  # Qwen2 style: layers from max_window_layers on
             start = int(cfg.get("max_window_layers") or 0)
             return tuple("sliding" if i >= start else "full" for i in range(n))
     return ("full",) * n
+
+
+def _mamba2(t: dict[str, Any], hidden: int, dtype_bytes: int) -> Mamba2State:
+    """Mamba2 state fields under the names each family uses (granitemoehybrid and falcon_h1: mamba_*;
+    nemotron_h: mamba_num_heads / ssm_state_size / conv_kernel)."""
+    heads = _positive_int(t, "mamba_n_heads", "mamba_num_heads")
+    head_dim = _positive_int(t, "mamba_d_head", "mamba_head_dim")
+    if t.get("model_type") == "nemotron_h":
+        inter = heads * head_dim
+    else:
+        inter = t.get("mamba_d_ssm") or int(float(t.get("mamba_expand") or t.get("expand") or 2) * hidden)
+    ssm = t.get("mamba_ssm_dtype") or t.get("mamba_ssm_cache_dtype")
+    if ssm is None and t.get("model_type") == "nemotron_h":
+        ssm = "float32"  # vLLM's NemotronHForCausalLMConfig: float32 unless the config names another
+    return Mamba2State(
+        intermediate_size=int(inter),
+        n_groups=_positive_int(t, "mamba_n_groups", "n_groups"),
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=_positive_int(t, "mamba_d_state", "ssm_state_size"),
+        conv_kernel=_positive_int(t, "mamba_d_conv", "conv_kernel"),
+        ssm_dtype_bytes=_dtype_bytes(ssm) if ssm else None,
+    )
 
 
 def _quantization(cfg: dict[str, Any]) -> tuple[str | None, float | None]:
@@ -174,19 +281,19 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     arch = archs[0] if archs else str(cfg.get("model_type", ""))
     if not arch:
         raise ModelError("config.json names no architecture (architectures / model_type)")
-    if not (arch.endswith("ForCausalLM") or arch.endswith("ForConditionalGeneration") or arch.endswith("LMHeadModel")):
+    if not (arch.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")) or arch in GENERATIVE_ARCHITECTURES):
         raise ModelError(
             f"{arch} is not a causal language model (expected an architecture ending in ForCausalLM); "
             "the appliance serves generative chat models"
         )
-    t = _text_config(cfg)
+    t = _with_defaults(_text_config(cfg))
     n_layers = _positive_int(t, "num_hidden_layers", "n_layer", "num_layers")
     heads = _positive_int(t, "num_attention_heads", "n_head")
     hidden = _positive_int(t, "hidden_size", "n_embd", "d_model")
     kv_heads = t.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads <= 0:
         raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
-    head_dim = t.get("head_dim") or hidden // heads
+    head_dim = t.get("head_dim") or t.get("attention_head_dim") or hidden // heads
     kinds = _layer_kinds(t, n_layers)
     dtype_bytes = _dtype_bytes(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype"))
 
@@ -194,6 +301,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     if t.get("kv_lora_rank") is not None:
         mla_dim = int(t["kv_lora_rank"]) + int(t.get("qk_rope_head_dim") or 0)
 
+    mamba = _mamba2(t, hidden, dtype_bytes) if "mamba" in kinds else None
     linear = None
     if "linear" in kinds:
         linear = LinearAttention(
@@ -221,6 +329,10 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         sliding_window=int(window) if window else None,
         mla_latent_dim=mla_dim,
         linear=linear,
+        mamba=mamba,
+        attention_chunk_size=int(t["attention_chunk_size"]) if "chunked" in kinds else None,
+        model_type=str(t.get("model_type", "")),
+        layers=n_layers,
         intermediate_size=t.get("intermediate_size"),
         num_experts=int(t.get("num_experts") or t.get("n_routed_experts") or t.get("num_local_experts") or 0),
         moe_intermediate_size=t.get("moe_intermediate_size"),

@@ -21,7 +21,7 @@ from kvbudget.accounting import (
     layout,
     pool_for_sessions,
 )
-from kvbudget.model import ModelShape
+from kvbudget.model import STATE_KINDS, ModelShape
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
 
@@ -192,6 +192,18 @@ def draft_layers(spec: Speculative, model: ModelShape, targets: Targets) -> int:
     return 0
 
 
+def attention_block_size(model: ModelShape, gpu: GpuProfile, platform: Platform, kv_dtype: KvDtype) -> int:
+    """The block size vLLM's attention backend asks for (Platform.update_block_size_for_backend, before any
+    hybrid alignment). Mirrors which backend vLLM picks; the vLLM probe checks it against vLLM's own choice."""
+    if model.mla_latent_dim:
+        if platform.kind == "cpu":
+            return 16  # CPU_MLA takes exactly 16
+        if kv_dtype == "fp8" and gpu.compute_capability[0] == 9:
+            return 64  # FlashMLA, vLLM's first choice for an FP8 latent cache on Hopper
+        return 16
+    return platform.block_size
+
+
 def reserve_bytes(model: ModelShape, targets: Targets, platform: Platform, tp: int) -> int:
     """Activation peak of a max_num_batched_tokens forward pass, the CUDA context and graphs.
 
@@ -280,10 +292,12 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     spec = choose_speculative(model, targets, platform, memory_tight=False)
     draft_w = cdiv(targets.draft_model_bytes, tp) if spec.method == "eagle3" and targets.draft_model_bytes else 0
 
+    block = attention_block_size(model, gpu, platform, kv_dtype)
+
     def shape_for(spec: Speculative, ctx: int) -> EngineShape:
         return EngineShape(
-            max_model_len=ctx, kv_dtype=kv_dtype, block_size=platform.block_size,
-            kernel_block=platform.block_size if platform.kind == "cpu" else 16,
+            max_model_len=ctx, kv_dtype=kv_dtype, block_size=block,
+            kernel_block=block if platform.kind == "cpu" else 16,
             tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
             draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
             max_concurrent_batches=1 if platform.kind == "cpu" else 2,
@@ -367,7 +381,7 @@ def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int,
     args = ["--kv-cache-memory-bytes", str(kv_pool), "--max-model-len", str(eng.max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(eng.max_num_batched_tokens),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-    if any(g.kind == "linear" for g in lay.groups):
+    if any(g.kind in STATE_KINDS for g in lay.groups):
         if eng.mamba_cache_mode == "all":
             raise PlanError("mamba cache mode 'all' exists only in older vLLM releases; plan with 'align' or 'none'")
         args += ["--mamba-cache-mode", eng.mamba_cache_mode]

@@ -23,6 +23,10 @@ class ProbeUnavailable(RuntimeError):
     """No interpreter with vLLM: plan with the kvbudget model alone."""
 
 
+class EmulationGap(ProbeUnavailable):
+    """Emulating a named card reached a real CUDA call: no answer from vLLM for that card here."""
+
+
 class VllmRefused(ValueError):
     """vLLM itself refuses this model or command line; the message is vLLM's."""
 
@@ -107,6 +111,8 @@ def engine_python(configured: str | None = None) -> str:
 
 
 def _figures(answer: dict[str, Any]) -> VllmFigures:
+    if answer.get("stage") == "emulation":
+        raise EmulationGap(f"vLLM could not be asked about the named card on this machine: {answer.get('error')}")
     if not answer.get("ok"):
         raise VllmRefused(f"vLLM refuses this plan ({answer.get('stage', '?')}): {answer.get('error')}")
     groups = tuple(VllmGroup(
@@ -133,7 +139,7 @@ class Question:
 
 
 def ask_many(questions: Sequence[Question], device: Device = THIS_MACHINE, python: str | None = None,
-             timeout_s: float = PROBE_TIMEOUT_S) -> list[VllmFigures | VllmRefused]:
+             timeout_s: float = PROBE_TIMEOUT_S) -> list[VllmFigures | VllmRefused | EmulationGap]:
     """One interpreter answers every question (vLLM is imported once): figures, or vLLM's refusal."""
     job = {"device": device.as_request(),
            "requests": [{"model": str(q.model), "args": list(q.args), "contexts": list(q.contexts)}
@@ -149,11 +155,11 @@ def ask_many(questions: Sequence[Question], device: Device = THIS_MACHINE, pytho
     except (ValueError, KeyError):
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise ProbeUnavailable(f"the vLLM probe failed (exit {done.returncode}): {tail}") from None
-    out: list[VllmFigures | VllmRefused] = []
+    out: list[VllmFigures | VllmRefused | EmulationGap] = []
     for a in answers:
         try:
             out.append(_figures(a))
-        except VllmRefused as e:
+        except (VllmRefused, EmulationGap) as e:
             out.append(e)
     return out
 
@@ -162,6 +168,6 @@ def ask(model: Path, args: Sequence[str], device: Device = THIS_MACHINE, python:
         contexts: Sequence[int] = ()) -> VllmFigures:
     """vLLM's figures for one command line; raises VllmRefused with vLLM's reason."""
     (answer,) = ask_many([Question(Path(model), tuple(args), tuple(contexts))], device, python)
-    if isinstance(answer, VllmRefused):
+    if isinstance(answer, (VllmRefused, EmulationGap)):
         raise answer
     return answer

@@ -6,6 +6,7 @@ import shlex
 from typing import Any
 
 from kvbudget.accounting import kv_bytes_per_element
+from kvbudget.model import STATE_KINDS
 from kvbudget.planner import Plan
 
 
@@ -24,7 +25,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                 "bandwidth_bytes_s": p.gpu.bandwidth_bytes_s, "memory_is_nvml_total": p.gpu.memory_is_nvml_total},
         "platform": p.platform.kind,
         "model": {"name": p.model.name, "architecture": p.model.architecture, "layers": p.model.num_layers,
-                  "kv_layers": p.model.kv_layers, "linear_layers": p.model.count("linear"),
+                  "kv_layers": p.model.kv_layers, "linear_layers": p.model.count("linear"), "mamba_layers": p.model.count("mamba"),
                   "sliding_layers": p.model.count("sliding"), "weight_bytes": p.model.weight_bytes,
                   "weight_bytes_exact": p.model.weight_bytes_exact},
         "targets": {"sessions": p.targets.sessions, "context": p.engine.max_model_len, "workload": p.targets.workload,
@@ -101,7 +102,7 @@ def plan_text(p: Plan) -> str:
         if lay.mamba_page_real:
             lines.append(
                 f"  per-sequence linear state     {lay.per_sequence_state_bytes(e):,} B as allocated "
-                f"({p.model.count('linear')} layers x {lay.mamba_page_real:,} B real, page padded "
+                f"({p.model.state_layers} layers x {lay.mamba_page_real:,} B real, page padded "
                 f"{lay.mamba_padding_pct:.2f}%, {e.mamba_cache_mode} mode)"
             )
         lines += [
@@ -142,7 +143,7 @@ def reality_check(p: Plan) -> list[str]:
     lay, cap, e, m = p.layout, p.capacity, p.engine, p.memory
     # bytes per element -> per-token figures for both the model dtype and FP8
     per_elem_token = lay.attn_page_per_token / kv_bytes_per_element(p.model, e)
-    kv_layers = sum(g.layers for g in lay.groups if g.kind != "linear")
+    kv_layers = sum(g.layers for g in lay.groups if g.kind not in STATE_KINDS)
     out = [
         f"per-token KV: {int(per_elem_token * p.model.dtype_bytes * kv_layers):,} B in the model dtype, "
         f"{int(per_elem_token * kv_layers):,} B in FP8 ({kv_layers} of {p.model.num_layers + e.draft_layers} layers keep KV)",
@@ -163,7 +164,7 @@ def reality_check(p: Plan) -> list[str]:
         mode = "doubled: align mode keeps 2 states per layer" if e.mamba_cache_mode == "align" else e.mamba_cache_mode
         out.append(
             f"linear-attention state: every sequence also holds {state / (1 << 20):,.0f} MiB "
-            f"({p.model.count('linear')} layers x {lay.mamba_page_real:,} B, {mode}), whatever its length; "
+            f"({p.model.state_layers} layers x {lay.mamba_page_real:,} B, {mode}), whatever its length; "
             f"at {cap.max_concurrency:.0f} sessions that is {cap.max_concurrency * state / 1e9:.1f} GB of the pool"
         )
     full_blocks = -(-e.max_model_len // lay.block_size)

@@ -178,6 +178,12 @@ def _emulate_cuda(cc: tuple[int, int], name: str, memory_bytes: int) -> None:
             return 132
 
         @classmethod
+        def current_device(cls) -> Any:
+            import torch
+
+            return torch.device("meta")  # buffers made "on the current device" land on the meta device
+
+        @classmethod
         def is_integrated_gpu(cls, device_id: int = 0) -> bool:
             return False
 
@@ -232,6 +238,18 @@ def _real_mamba_bytes(spec: Any) -> int:
 
 
 _PREPARED: dict[str, Any] = {}
+# What a CPU build of torch says when code reaches for a real GPU.
+CUDA_RUNTIME_ERRORS = ("Torch not compiled with CUDA", "requires CUDA support", "dummy base class",
+                       "'_OpNamespace'")
+
+
+def _refusal(e: Exception) -> str:
+    """vLLM's message without pydantic's wrapping (its config classes validate through pydantic)."""
+    text = str(e)
+    if "Value error, " in text:
+        text = text.split("Value error, ", 1)[1].split(" [type=", 1)[0]
+        return text.strip()
+    return f"{type(e).__name__}: {text}"
 
 
 def prepare(device: dict[str, Any]) -> list[str]:
@@ -295,7 +313,11 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_capacity,
+        get_kv_cache_configs,
+        get_max_concurrency_for_kv_cache_config,
+    )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.worker.worker_base import get_current_attn_backends, get_supported_kv_cache_layouts
 
@@ -315,7 +337,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     try:
         vcfg = EngineArgs.from_cli_args(ns).create_engine_config()
     except Exception as e:  # vLLM's own refusal, worded by vLLM
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "config"}
+        return {"ok": False, "error": _refusal(e), "stage": "config"}
 
     try:
         _init_parallel(vcfg)
@@ -350,17 +372,22 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
                 groups[-1]["groups"] += 1  # vLLM splits a kind into equal groups: shown once, counted
             else:
                 groups.append({**summary, "groups": 1})
+        # Sessions at other context lengths: the same pool and blocks, vLLM's per-request block count
+        # at that length (get_kv_cache_configs would refuse a length where not even one request fits).
         sessions_at = {}
         planned_len = vcfg.model_config.max_model_len
         for ctx in request.get("contexts", []):
             vcfg.model_config.max_model_len = ctx
             vcfg.scheduler_config.max_model_len = ctx
-            (other,) = get_kv_cache_configs(vcfg, [specs], [pool])
-            sessions_at[str(ctx)] = get_kv_cache_capacity(vcfg, other)[1]
+            sessions_at[str(ctx)] = get_max_concurrency_for_kv_cache_config(vcfg, kv_cfg)
         vcfg.model_config.max_model_len = planned_len
         vcfg.scheduler_config.max_model_len = planned_len
     except Exception as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "model"}
+        emulated = device.get("platform") == "cuda"
+        if emulated and any(m in str(e) for m in CUDA_RUNTIME_ERRORS):
+            # The emulation reached a real CUDA call: a gap in this probe, not vLLM's refusal.
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "emulation"}
+        return {"ok": False, "error": _refusal(e), "stage": "model"}
 
     cache = vcfg.cache_config
     sched = vcfg.scheduler_config
