@@ -304,7 +304,8 @@ class Daemon:
             return None
         off = self.cfg.model_copy(update={"targets": self.cfg.targets.model_copy(update={"speculative": "off"})})
         try:
-            site_plan = await asyncio.to_thread(plan_for_config, off, self.site_plan.discovery)
+            site_plan = await asyncio.to_thread(plan_for_config, off, self.site_plan.discovery,
+                                              self.site_plan.asked_vllm)
         except PlanningError as e:
             log.error("speculative decoding should go off (%s) but the engine cannot be planned without it: %s",
                       finding.summary, e)

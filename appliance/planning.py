@@ -23,6 +23,7 @@ class PlanningError(Exception):
 class SitePlan:
     plan: Plan
     discovery: Discovery
+    asked_vllm: bool = True  # re-plans (reload, the doctor's actions) ask the same way
 
 
 def targets_from_config(cfg: Config) -> Targets:
@@ -108,4 +109,4 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
     if not plan.fits:
         f = plan.findings[0]
         raise PlanningError(f"the model does not fit: {f.achieved}; " + "; ".join(f.remedies))
-    return SitePlan(plan, discovery)
+    return SitePlan(plan, discovery, ask_vllm)

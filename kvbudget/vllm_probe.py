@@ -240,7 +240,7 @@ def _real_mamba_bytes(spec: Any) -> int:
 _PREPARED: dict[str, Any] = {}
 # What a CPU build of torch says when code reaches for a real GPU.
 CUDA_RUNTIME_ERRORS = ("Torch not compiled with CUDA", "requires CUDA support", "dummy base class",
-                       "'_OpNamespace'")
+                       "'_OpNamespace'", "GroupCoordinator", "ProcessGroup")
 
 
 def _refusal(e: Exception) -> str:
@@ -289,8 +289,11 @@ def _init_parallel(vcfg: Any) -> None:
                                          distributed_init_method=f"file://{store}", backend="gloo")
             _PREPARED["world"] = True
         else:
+            for name, group in _PREPARED.pop("real_groups", {}).items():
+                setattr(parallel_state, name, group)  # the pretend copies own no process group
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1)
+        _PREPARED["real_groups"] = {n: getattr(parallel_state, n) for n in ("_TP", "_DCP")}
     if vcfg.parallel_config.tensor_parallel_size > 1 or vcfg.parallel_config.decode_context_parallel_size > 1:
         _pretend_tensor_parallel(vcfg)
 
@@ -344,6 +347,13 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         # As BaseModelLoader.load_model does: layers take their dtype from the default one.
         with set_default_torch_dtype(vcfg.model_config.dtype), torch.device("meta"):
             initialize_model(vcfg)
+        spec_cfg = vcfg.speculative_config
+        if spec_cfg is not None and spec_cfg.draft_model_config is not None and spec_cfg.method != "ngram":
+            # The drafter (EAGLE heads, MTP layers) is a second model whose attention layers join the same
+            # KV pool (the model runner's drafter.load_model builds it the same way, with its own dtype).
+            draft = spec_cfg.draft_model_config
+            with set_default_torch_dtype(draft.dtype), torch.device("meta"):
+                initialize_model(vcfg, model_config=draft, prefix="draft_model")
         current_platform.update_block_size_for_backend(vcfg)
         specs: dict[str, Any] = {}
         with set_current_vllm_config(vcfg):
@@ -383,7 +393,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         vcfg.model_config.max_model_len = planned_len
         vcfg.scheduler_config.max_model_len = planned_len
     except Exception as e:
-        emulated = device.get("platform") == "cuda"
+        emulated = device.get("platform") == "cuda" or vcfg.parallel_config.tensor_parallel_size > 1
         if emulated and any(m in str(e) for m in CUDA_RUNTIME_ERRORS):
             # The emulation reached a real CUDA call: a gap in this probe, not vLLM's refusal.
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "stage": "emulation"}
@@ -443,29 +453,22 @@ def main() -> int:
 def _pretend_tensor_parallel(vcfg: Any) -> None:
     """Build rank 0 of a tensor-parallel model in one process.
 
-    Layers size their heads from the tensor-parallel group's world size and rank; nothing is
-    communicated on the meta device, so a group object that reports the planned size is enough.
+    Layers size their heads from the tensor-parallel group's world size and rank; nothing is communicated
+    on the meta device, so the one-process group, told the planned size, is enough.
     """
+    import copy
+
     from vllm.distributed import parallel_state
 
-    class RankZeroOf:
-        def __init__(self, size: int) -> None:
-            self.world_size = size
-            self.rank_in_group = 0
-            self.rank = 0
-            self.ranks = list(range(size))
-            self.local_rank = 0
-            self.device_group = None
-            self.cpu_group = None
+    def rank_zero_of(name: str, size: int) -> None:
+        group = copy.copy(getattr(parallel_state, name))
+        group.world_size = size
+        group.rank_in_group = 0
+        group.ranks = [group.rank] + [group.rank + 1 + i for i in range(size - 1)]
+        setattr(parallel_state, name, group)
 
-    tp = vcfg.parallel_config.tensor_parallel_size
-    dcp = vcfg.parallel_config.decode_context_parallel_size
-    parallel_state._TP = RankZeroOf(tp)
-    parallel_state._DCP = RankZeroOf(dcp)
-    parallel_state._PCP = RankZeroOf(1)
-    parallel_state._PP = RankZeroOf(1)
-    parallel_state._DP = RankZeroOf(1)
-    parallel_state._EP = RankZeroOf(1)
+    rank_zero_of("_TP", vcfg.parallel_config.tensor_parallel_size)
+    rank_zero_of("_DCP", vcfg.parallel_config.decode_context_parallel_size)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """kvbudget's figures against what the real vLLM CPU engine logs at startup, for three model shapes:
 the embedded default (uniform full attention, through the appliance itself), a sliding-window model
-and a Gated DeltaNet hybrid (tiny random-weight models: `--load-format dummy`)."""
+a Gated DeltaNet hybrid and a Mamba2 hybrid (tiny random-weight models: `--load-format dummy`). The
+vLLM probe's figures for the same command line are checked against the same log lines."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbudget import probe
 from kvbudget.model import read_model
 from kvbudget.planner import Platform, Targets, make_plan
 from tests import loopback
@@ -38,6 +40,14 @@ TINY = {
                               "max_position_embeddings": 4096, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
                               "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
                               "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2},
+    "mamba2-hybrid": {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+                      "num_hidden_layers": 4, "layer_types": ["mamba", "mamba", "mamba", "attention"],
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+                      "intermediate_size": 64, "shared_intermediate_size": 128, "num_local_experts": 4,
+                      "num_experts_per_tok": 2, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 64,
+                      "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 64,
+                      "position_embedding_type": "nope", "vocab_size": 49152, "max_position_embeddings": 4096,
+                      "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True},
 }
 
 
@@ -83,6 +93,10 @@ def test_tiny_models_match_the_engine_log(tmp_path: Path, shape: str):
         proc.wait()
     assert int(m.group(1).replace(",", "")) == plan.capacity.tokens_reported
     assert m.group(3) == f"{plan.capacity.max_concurrency:.2f}"
+    # vLLM's own figures for the same command line, from the probe (meta device, no engine), equal the log too
+    vllm = probe.ask(folder, plan.vllm_args, probe.THIS_MACHINE)
+    assert vllm.kv_tokens == int(m.group(1).replace(",", ""))
+    assert m.group(3) == f"{vllm.max_concurrency:.2f}"
     if plan.layout.mamba_page_real:
         pad = PADDING_LINE.search(text)
         assert pad and pad.group(1) == f"{plan.layout.mamba_padding_pct:.2f}"

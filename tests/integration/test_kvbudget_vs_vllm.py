@@ -131,3 +131,59 @@ def test_vllm_refusal_becomes_the_plans(tmp_path):
 def test_vllm_parser_refuses_a_bad_flag():
     with pytest.raises(probe.VllmRefused, match="argument parser refused"):
         probe.ask(FIX / "llama-3.1-8b.json", ["--kv-cache-memory-bytes", "1073741824", "--no-such-flag"])
+
+
+def _eagle3_draft(folder: Path) -> Path:
+    """An EAGLE-3 head for Llama-3.1-8B as published (config.json), with a header-only safetensors file
+    naming its tensors: the planner reads bytes from the header, the probe never loads weights."""
+    import json
+    import struct
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 2048,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 1, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
+        "vocab_size": 128256}))
+    shapes = {"fc.weight": [4096, 12288], "midlayer.self_attn.q_proj.weight": [4096, 8192],
+              "midlayer.self_attn.k_proj.weight": [1024, 8192], "midlayer.self_attn.v_proj.weight": [1024, 8192],
+              "midlayer.self_attn.o_proj.weight": [4096, 4096], "midlayer.mlp.gate_proj.weight": [14336, 4096],
+              "midlayer.mlp.up_proj.weight": [14336, 4096], "midlayer.mlp.down_proj.weight": [4096, 14336],
+              "lm_head.weight": [32000, 4096]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + shape[0] * shape[1] * 2]}
+        offset += shape[0] * shape[1] * 2
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder
+
+
+def test_eagle3_draft_tensor_and_decode_context_parallel_agree_with_vllm(tmp_path):
+    """The draft's own folder in --speculative-config, its layers in the pool; TP and DCP as vLLM checks them."""
+    from appliance.planning import with_draft
+
+    h100 = find_profile("H100 80GB")
+    draft = with_draft(Targets(context=32_768), _eagle3_draft(tmp_path / "eagle3"))
+    plans = {
+        "eagle3": make_plan(read_model(FIX / "llama-3.1-8b.json"), h100, draft, Platform("gpu")),
+        "tp2": make_plan(read_model(FIX / "qwen3-8b.json"), h100, Targets(context=32_768), Platform("gpu", gpu_count=2)),
+        "tp16-dcp2": make_plan(read_model(FIX / "llama-3.1-8b.json"), h100, Targets(context=32_768),
+                               Platform("gpu", gpu_count=16)),
+        "hybrid-tp8-dcp2": make_plan(read_model(FIX / "qwen3.6-27b.json"), h100, Targets(context=32_768),
+                                     Platform("gpu", gpu_count=8)),
+    }
+    eagle_args = " ".join(plans["eagle3"].vllm_args)
+    assert f'"model":"{tmp_path / "eagle3"}"' in eagle_args and "<" not in eagle_args
+    assert plans["eagle3"].memory.draft_weights == draft.draft_model_bytes > 0
+    assert "--decode-context-parallel-size" in plans["tp16-dcp2"].vllm_args
+    models = {"eagle3": "llama-3.1-8b", "tp2": "qwen3-8b", "tp16-dcp2": "llama-3.1-8b", "hybrid-tp8-dcp2": "qwen3.6-27b"}
+    answers = probe.ask_many([probe.Question(FIX / f"{models[k]}.json", p.vllm_args) for k, p in plans.items()],
+                             probe.Device("cuda", h100.compute_capability, h100.name, h100.memory_bytes))
+    for (key, plan), vllm in zip(plans.items(), answers):
+        assert isinstance(vllm, probe.VllmFigures), f"{key}: {vllm}"
+        assert (vllm.num_blocks, vllm.blocks_per_request, vllm.block_size) == (
+            plan.capacity.num_blocks, plan.capacity.blocks_per_request, plan.layout.block_size), key
+        assert vllm.kv_layers == sum(g.layers for g in plan.layout.groups), key
+    assert answers[0].kv_layers == 33  # 32 target layers + the EAGLE-3 head's one

@@ -276,9 +276,12 @@ def test_speculative_rules():
     assert gdn.speculative.method == "none" and "39273" in gdn.speculative.reason
     tools = make_plan(model("llama-3.1-8b"), gpu, Targets(workload="tool-calling"))
     assert tools.speculative.method == "none" and "--speculative-config" not in tools.vllm_args
-    eagle = make_plan(model("llama-3.1-8b"), gpu, Targets(draft_model_bytes=750_000_000))
+    eagle = make_plan(model("llama-3.1-8b"), gpu, Targets(draft_model="/srv/drafts/eagle3", draft_model_bytes=750_000_000,
+                                                           draft_layers=1))
     assert eagle.speculative.method == "eagle3" and eagle.memory.draft_weights == 750_000_000
     assert eagle.layout.bytes_per_block == 33 * eagle.layout.page_bytes
+    assert '"model":"/srv/drafts/eagle3"' in " ".join(eagle.vllm_args)  # the draft's own folder, no placeholder
+    assert make_plan(model("llama-3.1-8b"), gpu, Targets(draft_model_bytes=750_000_000)).speculative.method == "none"
 
 
 def test_tensor_and_decode_context_parallel_flags():
