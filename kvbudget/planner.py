@@ -181,7 +181,7 @@ def choose_speculative(model: ModelShape, targets: Targets, platform: Platform, 
             else "strict memory budget: n-gram needs no draft model"
         return Speculative("ngram", k or 3, why)
     return Speculative("none", 0, "no draft model given (EAGLE-3/3.1 is the recommendation for "
-                                  f"{targets.workload}: pass its size to enable it)")
+                                  f"{targets.workload}: give its local folder, targets.draft_model or --draft-model)")
 
 
 def draft_layers(spec: Speculative, model: ModelShape, targets: Targets) -> int:
@@ -341,6 +341,14 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     kv_pool = cap.num_blocks * lay.bytes_per_block
     mem = Memory(total, headroom, weights, draft_w, reserve, kv_pool, pool - kv_pool)
     notes += list(lay.notes)
+
+    if model.state_layers and targets.prefix_caching:
+        # Without prefix caching vLLM keeps one state block per sequence instead of the align mode's two
+        # (three for Mamba2); the operator should know what the cache costs in sessions.
+        off = replace(eng, mamba_cache_mode="none")
+        n_off = capacity(layout(model, off), off, pool).max_concurrency
+        notes.append(f"prefix caching costs sessions on this hybrid model: {cap.max_concurrency:.2f} at {context:,} "
+                     f"tokens with it, {n_off:.2f} with --prefix-caching off (no reuse of shared prompt prefixes)")
 
     sessions_at = {}
     for ctx in sorted({*SESSION_CONTEXTS, context}):

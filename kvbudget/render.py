@@ -161,7 +161,8 @@ def reality_check(p: Plan) -> list[str]:
     )
     if lay.mamba_page_real:
         state = lay.per_sequence_state_bytes(e)
-        mode = "doubled: align mode keeps 2 states per layer" if e.mamba_cache_mode == "align" else e.mamba_cache_mode
+        kept = 3 if p.model.mamba else 2  # Mamba2 mixers add a prefill checkpoint block
+        mode = f"align mode keeps {kept} states per layer" if e.mamba_cache_mode == "align" else e.mamba_cache_mode
         out.append(
             f"linear-attention state: every sequence also holds {state / (1 << 20):,.0f} MiB "
             f"({p.model.state_layers} layers x {lay.mamba_page_real:,} B, {mode}), whatever its length; "

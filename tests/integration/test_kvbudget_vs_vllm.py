@@ -32,6 +32,7 @@ SPEC_KIND = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "Chunk
 CPU_REFUSES = {
     "gpt-oss-20b": "No MXFP4 MoE backend supports",  # MXFP4 MoE kernels are GPU-only
     "qwen3.6-27b-fp8": "requires AMX",  # block-FP8 weights on the CPU need AMX tiles
+    "llama-3.1-8b-instruct-nvfp4": "NVFP4 linear layer",  # no NVFP4 weight kernel on the CPU
 }
 
 
