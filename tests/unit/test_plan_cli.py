@@ -99,3 +99,23 @@ def test_cpu_backend_plan_with_explicit_pool():
     p = json.loads(r.stdout)
     assert p["platform"] == "cpu" and p["kv"]["block_size"] == 128
     assert "--kv-cache-dtype" not in p["vllm_args"]
+
+
+def test_plan_names_its_source_and_plans_prefix_caching_off():
+    """With vLLM installed here the plan follows vLLM's figures; --model-only keeps the model's; an engine
+    interpreter without vLLM falls back to the model and says why."""
+    base = ("plan", "--model", str(FIX / "qwen3.6-27b.json"), "--gpu", PRO6000, "--context", "32768", "--json")
+    asked = json.loads(appliance(*base).stdout)
+    assert asked["source"].startswith("vllm ") and asked["vllm"]["platform"].startswith("cuda (emulated")
+    assert "disagreements" not in asked, asked.get("disagreements")
+    alone = json.loads(appliance(*base, "--model-only").stdout)
+    assert alone["source"] == "kvbudget model" and "vllm" not in alone
+    assert alone["kv"]["max_concurrency"] == pytest.approx(asked["kv"]["max_concurrency"])
+    off = json.loads(appliance(*base, "--prefix-caching", "off", "--model-only").stdout)
+    assert "--no-enable-prefix-caching" in off["vllm_args"]
+    assert off["vllm_args"][off["vllm_args"].index("--mamba-cache-mode") + 1] == "none"
+    assert off["kv"]["max_concurrency"] > alone["kv"]["max_concurrency"]  # one state block per sequence, not two
+    assert any("prefix caching costs sessions" in n for n in alone["notes"])
+    no_vllm = json.loads(appliance(*base, "--engine-python", "/usr/bin/python3").stdout)
+    assert no_vllm["source"] == "kvbudget model"
+    assert any("figures from the kvbudget model only" in n for n in no_vllm["notes"])
