@@ -204,11 +204,14 @@ def _emulate_cuda(cc: tuple[int, int], name: str, memory_bytes: int) -> None:
         triton.Config = _TritonConfig  # type: ignore[attr-defined]
 
 
+_SCRATCH = tempfile.TemporaryDirectory(prefix="kvprobe-")  # removed when the probe exits
+
+
 def _model_folder(model: str) -> str:
     """vLLM reads a folder: a bare config.json is given one of its own."""
     if os.path.isdir(model):
         return model
-    folder = tempfile.mkdtemp(prefix="kvprobe-")
+    folder = tempfile.mkdtemp(dir=_SCRATCH.name)
     with open(model) as src, open(os.path.join(folder, "config.json"), "w") as dst:
         dst.write(src.read())
     return folder
@@ -284,7 +287,7 @@ def _init_parallel(vcfg: Any) -> None:
 
     with set_current_vllm_config(vcfg):
         if not _PREPARED.get("world"):
-            store = tempfile.mkstemp(prefix="kvprobe-store-")[1]
+            store = os.path.join(_SCRATCH.name, "dist-store")
             init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                          distributed_init_method=f"file://{store}", backend="gloo")
             _PREPARED["world"] = True
