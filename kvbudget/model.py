@@ -58,7 +58,8 @@ class Mamba2State:
     ssm_dtype_bytes: int | None = None  # None: the model dtype
 
     def conv_dim(self, tp: int) -> int:
-        groups = self.n_groups if self.n_groups % tp == 0 else self.n_groups + tp - self.n_groups
+        # vLLM replicates groups so that every head shard has its own: tp groups when they do not divide.
+        groups = self.n_groups if self.n_groups % tp == 0 else tp
         return (self.intermediate_size + 2 * groups * self.state_size) // tp
 
 
