@@ -224,9 +224,12 @@ class Daemon:
         where = self.site_plan.discovery.error or ", ".join(g.name for g in self.site_plan.discovery.gpus)
         log.info("devices: %s", where)
         if p.capacity:
-            log.info("plan: KV pool %d bytes, %d blocks of %d tokens, %s tokens, max concurrency %.2f at %d tokens",
-                     p.memory.kv_pool, p.capacity.num_blocks, p.layout.block_size if p.layout else 0,
-                     f"{p.capacity.tokens_reported:,}", p.capacity.max_concurrency, p.engine.max_model_len)
+            log.info("plan: KV pool %d bytes, %d blocks of %d tokens, %s tokens, max concurrency %.2f at %d tokens "
+                     "(figures from %s)", p.memory.kv_pool, p.capacity.num_blocks,
+                     p.vllm.block_size if p.vllm else p.layout.block_size if p.layout else 0,
+                     f"{p.capacity.tokens_reported:,}", p.capacity.max_concurrency, p.engine.max_model_len, p.source)
+        for d in p.disagreements:
+            log.warning("plan: the kvbudget model disagrees with vLLM, which the plan follows: %s", d)
         for f in p.findings:
             log.warning("plan: target %s not met: wanted %s, got %s; options: %s", f.target, f.wanted, f.achieved,
                         "; ".join(f.remedies))
