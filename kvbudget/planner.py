@@ -89,10 +89,8 @@ class Speculative:
         if self.method == "none":
             return None
         cfg: dict[str, object] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.method == "ngram":
-            # vLLM's defaults (SpeculativeConfig: prompt_lookup_min 5, max 5) suit long verbatim spans;
-            # chat and code repeat shorter ones, so the window starts at 2 tokens and looks back 4.
-            cfg.update({"prompt_lookup_max": 4, "prompt_lookup_min": 2})
+        # n-gram: vLLM's own lookup window (SpeculativeConfig: prompt_lookup_min = max = 5) is left as it is;
+        # no measurement here says another window accepts more.
         if self.method == "eagle3":
             if not self.draft_model:
                 raise PlanError("EAGLE-3 needs the draft's local folder (targets.draft_model)")
