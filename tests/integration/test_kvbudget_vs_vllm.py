@@ -55,18 +55,22 @@ def _cases(card: str) -> list[tuple[str, str, bool]]:
 
 @pytest.fixture(scope="session")
 def vllm_answers() -> dict[tuple[str, str, str, bool], tuple[Plan, object]]:
-    """One probe process per card answers every combination (vLLM is imported once per card)."""
-    out: dict[tuple[str, str, str, bool], tuple[Plan, object]] = {}
-    for card in CARDS:
+    """One probe process per card answers every combination (vLLM is imported once per card); the cards'
+    processes run side by side, one per core."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask_card(card: str) -> list[tuple[tuple, tuple[Plan, object]]]:
         planned = [(case, p) for case in _cases(card) if (p := _plan(case[0], card, *case[1:])) is not None]
         device = probe.THIS_MACHINE if card == "CPU" else probe.Device(
             "cuda", find_profile(card).compute_capability, card, find_profile(card).memory_bytes)
         questions = [probe.Question(FIX / f"{case[0]}.json", p.vllm_args,
                                     tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
                      for case, p in planned]
-        for (case, p), answer in zip(planned, probe.ask_many(questions, device)):
-            out[(card, *case)] = (p, answer)
-    return out
+        return [((card, *case), (p, a)) for (case, p), a in zip(planned, probe.ask_many(questions, device))]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(CARDS), os.cpu_count() or 1))) as pool:
+        return {key: value for answers in pool.map(ask_card, CARDS) for key, value in answers}
 
 
 def _ids(case: tuple) -> str:

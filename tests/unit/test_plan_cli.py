@@ -16,6 +16,11 @@ SEED = str(FIX / "qwen3.6-27b-fp8.json")
 PRO6000 = "RTX PRO 6000 Blackwell"
 
 
+# Most tests here are about the plan's content, which the kvbudget model and vLLM agree on (the cross-check in
+# tests/integration/test_kvbudget_vs_vllm.py): they pass --model-only and skip vLLM's import (about 10 s).
+# The blueprint audit and test_plan_names_its_source ask vLLM as an operator's plan does.
+
+
 def appliance(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "appliance.cli", *args], capture_output=True, text=True, timeout=120)
 
@@ -35,7 +40,7 @@ def test_seed_audit_reproduces_the_per_token_figures_and_explains_the_gap():
 
 
 def test_json_plan_for_machines():
-    r = appliance("plan", "--model", SEED, "--gpu", PRO6000, "--sessions", "20", "--context", "32768", "--json")
+    r = appliance("plan", "--model-only", "--model", SEED, "--gpu", PRO6000, "--sessions", "20", "--context", "32768", "--json")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["fits"] and p["targets_met"]
@@ -49,7 +54,7 @@ def test_json_plan_for_machines():
 
 
 def test_model_that_does_not_fit_at_all():
-    r = appliance("plan", "--model", str(FIX / "qwen3.5-397b-a17b.json"), "--gpu", PRO6000)
+    r = appliance("plan", "--model-only", "--model", str(FIX / "qwen3.5-397b-a17b.json"), "--gpu", PRO6000)
     assert r.returncode == 1
     assert "DOES NOT FIT" in r.stdout and "weights alone are" in r.stdout and "GB per GPU" in r.stdout
 
@@ -68,7 +73,7 @@ def test_model_that_does_not_fit_at_all():
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path):
-    r = appliance("plan", *args)
+    r = appliance("plan", "--model-only", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
 
@@ -76,7 +81,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path):
 def test_missing_fields_are_named(tmp_path):
     f = tmp_path / "config.json"
     f.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}))
-    r = appliance("plan", "--model", str(f), "--gpu", PRO6000)
+    r = appliance("plan", "--model-only", "--model", str(f), "--gpu", PRO6000)
     assert r.returncode == 2 and "num_attention_heads" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -88,13 +93,13 @@ def test_without_nvml_discovery_says_so_and_named_gpus_still_plan():
     assert r.returncode == 1 and "no NVIDIA driver" in r.stdout
     r = appliance("gpus", "--json")
     assert json.loads(r.stdout)["error"].startswith("no NVIDIA driver")
-    r = appliance("plan", "--model", SEED)
+    r = appliance("plan", "--model-only", "--model", SEED)
     assert r.returncode == 2 and "no NVIDIA driver" in r.stderr and "--gpu" in r.stderr
-    assert appliance("plan", "--model", SEED, "--gpu", PRO6000).returncode == 0
+    assert appliance("plan", "--model-only", "--model", SEED, "--gpu", PRO6000).returncode == 0
 
 
 def test_cpu_backend_plan_with_explicit_pool():
-    r = appliance("plan", "--model", str(FIX / "llama-3.1-8b.json"), "--cpu", "--kv-pool", "1GiB", "--context", "2048",
+    r = appliance("plan", "--model-only", "--model", str(FIX / "llama-3.1-8b.json"), "--cpu", "--kv-pool", "1GiB", "--context", "2048",
                   "--json")
     p = json.loads(r.stdout)
     assert p["platform"] == "cpu" and p["kv"]["block_size"] == 128
