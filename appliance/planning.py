@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from appliance.config import Config
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from appliance.config import Config
 from kvbudget import probe
 from kvbudget.gpu import Discovery, discover
 from kvbudget.model import ModelError, read_draft, read_model
@@ -92,8 +90,6 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
                                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
                                 enforce_eager=cfg.engine.enforce_eager)
             plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
-            if ask_vllm:
-                plan = with_vllm_figures(plan, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
         else:
             if pool is None:
                 raise PlanningError(
@@ -102,8 +98,8 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
                 )
             plan = make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager),
                              kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
-            if ask_vllm:
-                plan = with_vllm_figures(plan, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
+        if ask_vllm:  # the engine runs here: vLLM answers for this machine's own platform
+            plan = with_vllm_figures(plan, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
     except PlanError as e:
         raise PlanningError(str(e)) from None
     if not plan.fits:

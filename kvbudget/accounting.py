@@ -48,6 +48,11 @@ class EngineShape:
     max_concurrent_batches: int = 2  # 2 with async scheduling (the GPU default), else 1
     ssm_dtype_bytes: int | None = None  # overrides the model's recurrent-state dtype (the CPU backend uses 4)
 
+    @property
+    def in_flight_tokens(self) -> int:
+        """VllmConfig.max_in_flight_tokens: every concurrent batch may hold a full max_num_batched_tokens."""
+        return self.max_concurrent_batches * self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "kernel_block", "tp", "dcp", "max_num_batched_tokens",
                      "max_concurrent_batches"):
@@ -73,13 +78,11 @@ class LayerSpec:
             return cdiv(cdiv(e.max_model_len, e.dcp), self.block_size)
         if self.kind == "sliding":
             assert self.sliding_window is not None
-            in_flight = e.max_concurrent_batches * e.max_num_batched_tokens
-            tokens = min(self.sliding_window - 1 + in_flight, e.max_model_len)
+            tokens = min(self.sliding_window - 1 + e.in_flight_tokens, e.max_model_len)
             return cdiv(tokens, self.block_size) + 1
         if self.kind == "chunked":  # ChunkedLocalAttentionSpec: one chunk plus the tokens in flight
             assert self.chunk_size is not None
-            in_flight = e.max_concurrent_batches * e.max_num_batched_tokens
-            return cdiv(min(self.chunk_size + in_flight, e.max_model_len), self.block_size)
+            return cdiv(min(self.chunk_size + e.in_flight_tokens, e.max_model_len), self.block_size)
         spec_blocks = e.num_speculative_tokens
         if e.mamba_cache_mode == "align":
             # MambaSpec: the running state and the last block boundary's; Mamba2 mixers also keep a

@@ -463,7 +463,7 @@ def follow_vllm(plan: Plan, vllm: VllmFigures) -> Plan:
     diffs = [f"{what}: kvbudget model {a}, vLLM {b}" for what, a, b in (
         ("block size", lay.block_size, vllm.block_size),
         ("KV cache groups", model_groups, vllm.group_count),
-        ("page bytes", lay.page_bytes, max(g.page_size_bytes for g in vllm.groups)),
+        ("page bytes", lay.page_bytes, vllm.page_bytes),
         ("blocks", ours.num_blocks, vllm.num_blocks),
         ("blocks per request", ours.blocks_per_request, vllm.blocks_per_request),
         ("max concurrency", f"{ours.max_concurrency:.4f}", f"{vllm.max_concurrency:.4f}"),

@@ -94,9 +94,9 @@ class VllmFigures:
         return sum(g.groups for g in self.groups)
 
     @property
-    def bytes_per_block(self) -> int:
-        """One block id across every group (vLLM pads groups to the same layer count and page)."""
-        return max(g.layers for g in self.groups) * max(g.page_size_bytes for g in self.groups)
+    def page_bytes(self) -> int:
+        """The pool's page: vLLM unifies every group's page to the largest."""
+        return max(g.page_size_bytes for g in self.groups)
 
 
 def engine_python(configured: str | None = None) -> str:

@@ -54,7 +54,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         d["tpot_floor_ms"] = p.tpot_floor_ms
     if p.vllm:
         v = p.vllm
-        d["kv"].update({"block_size": v.block_size, "groups": v.group_count, "page_bytes": max(g.page_size_bytes for g in v.groups)})
+        d["kv"].update({"block_size": v.block_size, "groups": v.group_count, "page_bytes": v.page_bytes})
         d["vllm"] = {"version": v.vllm_version, "platform": v.platform, "attention_backends": list(v.attention_backends),
                      "block_size": v.block_size, "kv_cache_dtype": v.kv_cache_dtype,
                      "mamba_cache_mode": v.mamba_cache_mode, "enable_prefix_caching": v.enable_prefix_caching,

@@ -229,15 +229,8 @@ def _spec_summary(spec: Any) -> dict[str, Any]:
         out["dtype"] = str(dtype).replace("torch.", "")
     if hasattr(spec, "shapes"):
         out["state_shapes"] = [list(s) for s in spec.shapes]
-        out["state_bytes"] = getattr(spec, "page_size_bytes", None) if getattr(spec, "page_size_padded", None) is None \
-            else _real_mamba_bytes(spec)
+        out["state_bytes"] = spec.real_page_size_bytes  # before padding to the attention page
     return out
-
-
-def _real_mamba_bytes(spec: Any) -> int:
-    from dataclasses import replace
-
-    return replace(spec, page_size_padded=None).page_size_bytes
 
 
 _PREPARED: dict[str, Any] = {}
