@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 import logging
 import signal
 
@@ -26,7 +27,7 @@ from appliance.api.auth import keys_required
 from appliance.api.proxy import EngineProxy, GatewaySettings
 from appliance.config import Config, ConfigError
 from appliance.config import load as load_config
-from appliance.planning import PlanningError, SitePlan, plan_for_config
+from appliance.planning import SitePlan
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
 from appliance.loop_monitor import LoopMonitor
@@ -37,6 +38,7 @@ from appliance.model_pin import ModelCheck
 from appliance.store import RequestLog
 from appliance.systemd import Notifier
 from kernels.lock import KernelCheck
+from kvbudget.planner import Plan
 from kvbudget.render import plan_dict
 
 log = logging.getLogger("appliance")
@@ -305,14 +307,12 @@ class Daemon:
         finding = doctor.spec_acceptance(self.engine_watch.since(doctor.LIVE_WINDOW_S), p.speculative.method)
         if finding.status != "warn":
             return None
-        off = self.cfg.model_copy(update={"targets": self.cfg.targets.model_copy(update={"speculative": "off"})})
-        try:
-            site_plan = await asyncio.to_thread(plan_for_config, off, self.site_plan.discovery,
-                                              self.site_plan.asked_vllm)
-        except PlanningError as e:
+        off = self.site_plan.without_speculation  # planned at start: the probe would crawl on a busy box
+        if not isinstance(off, Plan):
             log.error("speculative decoding should go off (%s) but the engine cannot be planned without it: %s",
-                      finding.summary, e)
+                      finding.summary, off)
             return None
+        site_plan = replace(self.site_plan, plan=off, without_speculation=None)
         action = f"speculative decoding ({p.speculative.method}) turned off: {finding.summary}"
         log.warning("doctor: %s; relaunching the engine without it. Until the service restarts: set "
                     "targets.speculative = \"off\" to keep it off", action)

@@ -8,7 +8,7 @@ from pathlib import Path
 from appliance.config import Config
 from kvbudget import probe
 from kvbudget.gpu import Discovery, discover
-from kvbudget.model import ModelError, read_draft, read_model
+from kvbudget.model import ModelError, ModelShape, read_draft, read_model
 from kvbudget.planner import Plan, PlanError, Platform, Targets, follow_vllm, make_plan
 from kvbudget.profiles import GpuProfile, profile_from_discovery
 
@@ -22,6 +22,9 @@ class SitePlan:
     plan: Plan
     discovery: Discovery
     asked_vllm: bool = True  # re-plans (reload, the doctor's actions) ask the same way
+    # The same targets with speculation off (None when the plan does not speculate), or why that plan
+    # cannot run: what the doctor relaunches on when drafts stop paying.
+    without_speculation: Plan | PlanError | None = None
 
 
 def targets_from_config(cfg: Config) -> Targets:
@@ -59,20 +62,62 @@ def with_vllm_figures(plan: Plan, model_path: Path, device: probe.Device, python
     Without one the kvbudget model's figures stand and the plan says so; when vLLM refuses the plan's
     command line, planning fails with vLLM's reason.
     """
-    if not plan.fits:
-        return plan
+    (answer,) = _ask_vllm([plan], model_path, device, python)
+    if isinstance(answer, PlanError):
+        raise answer
+    return answer
+
+
+def _ask_vllm(plans: list[Plan], model_path: Path, device: probe.Device,
+              python: str | None) -> list[Plan | PlanError]:
+    """Every plan checked by one probe run (vLLM is imported once): each followed, or vLLM's refusal."""
+    asked = [p for p in plans if p.fits]
     try:
-        figures = probe.ask(model_path, plan.vllm_args, device, python,
-                            contexts=tuple(c for c in plan.sessions_at if c != plan.engine.max_model_len))
+        answers = probe.ask_many([probe.Question(Path(model_path), tuple(p.vllm_args),
+                                                 tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
+                                  for p in asked], device, python)
     except probe.ProbeUnavailable as e:
-        return replace(plan, notes=plan.notes + (f"figures from the kvbudget model only: {e}",))
-    except probe.VllmRefused as e:
-        raise PlanError(str(e)) from None
-    return follow_vllm(plan, figures)
+        return [replace(p, notes=p.notes + (f"figures from the kvbudget model only: {e}",)) for p in plans]
+    by_plan = dict(zip(map(id, asked), answers))
+    out: list[Plan | PlanError] = []
+    for p in plans:
+        a = by_plan.get(id(p))
+        if a is None:
+            out.append(p)
+        elif isinstance(a, probe.VllmRefused):
+            out.append(PlanError(str(a)))
+        elif isinstance(a, probe.EmulationGap):
+            out.append(replace(p, notes=p.notes + (f"figures from the kvbudget model only: {a}",)))
+        else:
+            out.append(follow_vllm(p, a))
+    return out
+
+
+def _kvbudget_plan(cfg: Config, model: ModelShape, targets: Targets, discovery: Discovery) -> Plan:
+    pool = int(cfg.engine.kv_cache_memory_bytes) if cfg.engine.kv_cache_memory_bytes is not None else None
+    if discovery.found:
+        gpu = profile_from_discovery(discovery.gpus[0])
+        platform = Platform("gpu", gpu_count=len(discovery.gpus),
+                            gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+                            enforce_eager=cfg.engine.enforce_eager)
+        return make_plan(model, gpu, targets, platform, kv_pool_bytes=pool,
+                         max_num_seqs=cfg.engine.max_num_seqs)
+    if pool is None:
+        raise PlanningError(
+            f"no GPU found ({discovery.error}); on the CPU backend set engine.kv_cache_memory_bytes "
+            "(for example \"1GiB\") so the KV pool is explicit"
+        )
+    return make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager),
+                     kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
 
 
 def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: bool = True) -> SitePlan:
-    """ask_vllm=False keeps the kvbudget model's figures (for tests of code that only needs a plan)."""
+    """ask_vllm=False keeps the kvbudget model's figures (for tests of code that only needs a plan).
+
+    When the plan speculates, the same plan without speculation is made beside it (one probe run asks
+    vLLM about both): the doctor's remedy for decayed speculation relaunches on it without asking
+    vLLM again while the engine has every core busy.
+    """
     discovery = discovery or discover()
     try:
         model = read_model(cfg.model.path)
@@ -82,27 +127,22 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
         targets = with_draft(targets_from_config(cfg), cfg.targets.draft_model)
     except ModelError as e:
         raise PlanningError(f"targets.draft_model: {e}") from None
-    pool = int(cfg.engine.kv_cache_memory_bytes) if cfg.engine.kv_cache_memory_bytes is not None else None
     try:
-        if discovery.found:
-            gpu = profile_from_discovery(discovery.gpus[0])
-            platform = Platform("gpu", gpu_count=len(discovery.gpus),
-                                gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
-                                enforce_eager=cfg.engine.enforce_eager)
-            plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
-        else:
-            if pool is None:
-                raise PlanningError(
-                    f"no GPU found ({discovery.error}); on the CPU backend set engine.kv_cache_memory_bytes "
-                    "(for example \"1GiB\") so the KV pool is explicit"
-                )
-            plan = make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager),
-                             kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
+        plan = _kvbudget_plan(cfg, model, targets, discovery)
+        plans = [plan]
+        if plan.speculative.method != "none":
+            plans.append(_kvbudget_plan(cfg, model, replace(targets, speculative="off"), discovery))
         if ask_vllm:  # the engine runs here: vLLM answers for this machine's own platform
-            plan = with_vllm_figures(plan, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
+            answered = _ask_vllm(plans, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
+        else:
+            answered = list(plans)
     except PlanError as e:
         raise PlanningError(str(e)) from None
+    plan = answered[0]
+    if isinstance(plan, PlanError):
+        raise PlanningError(str(plan))
     if not plan.fits:
         f = plan.findings[0]
         raise PlanningError(f"the model does not fit: {f.achieved}; " + "; ".join(f.remedies))
-    return SitePlan(plan, discovery, ask_vllm)
+    off = answered[1] if len(answered) > 1 else None
+    return SitePlan(plan, discovery, ask_vllm, off)

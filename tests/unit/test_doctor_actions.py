@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from appliance.config import load
@@ -15,7 +16,9 @@ from appliance.daemon import Daemon
 from appliance.engine.supervisor import EngineState
 from appliance.engine_watch import EngineSample
 from appliance.planning import plan_for_config
+from kvbudget import probe
 from kvbudget.gpu import Discovery
+from kvbudget.planner import PlanError
 from tests.support import write_config
 
 
@@ -117,3 +120,45 @@ def test_the_drain_is_bounded(tmp_path: Path, caplog):
 
     asyncio.run(scenario())
     assert "1 request(s) still running after 0.3s are cut off by the relaunch" in caplog.text
+
+
+def test_the_relaunch_uses_the_plan_made_at_start(tmp_path: Path, monkeypatch):
+    """Planning anew would run the vLLM probe while the engine keeps every core busy (minutes on 2 cores)."""
+    daemon, sup = _daemon(tmp_path, act=True)
+    daemon.site_plan = replace(daemon.site_plan, asked_vllm=True)
+
+    def no_probe(*a, **k):
+        raise AssertionError("the doctor ran the vLLM probe again")
+
+    monkeypatch.setattr(probe, "ask_many", no_probe)
+    _feed(daemon, 0.1)
+    assert asyncio.run(daemon.act_on_recipes())
+    [(args, _)] = sup.relaunched
+    assert "--speculative-config" not in args
+
+
+def test_no_relaunch_when_the_plan_without_speculation_cannot_run(tmp_path: Path, caplog):
+    daemon, sup = _daemon(tmp_path, act=True)
+    daemon.site_plan = replace(daemon.site_plan, without_speculation=PlanError("vLLM refuses this plan: because"))
+    _feed(daemon, 0.1)
+    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
+    assert daemon.site_plan.plan.speculative.method == "ngram"
+    assert "cannot be planned without it: vLLM refuses this plan: because" in caplog.text
+
+
+def test_one_probe_run_answers_for_both_plans(tmp_path: Path, monkeypatch):
+    """The plan and its speculation-free twin are asked together: vLLM is imported once at start."""
+    cfg = load(write_config(tmp_path, extra='[targets]\nworkload = "code"\n'))
+    calls: list[list[probe.Question]] = []
+
+    def recording(questions, device=None, python=None, timeout_s=0):
+        calls.append(list(questions))
+        return [probe.VllmRefused("not this one") if "--speculative-config" not in q.args
+                else probe.EmulationGap("stand-in") for q in questions]
+
+    monkeypatch.setattr(probe, "ask_many", recording)
+    site = plan_for_config(cfg, Discovery(error="no NVIDIA driver"))
+    [questions] = calls
+    assert ["--speculative-config" in q.args for q in questions] == [True, False]
+    assert site.plan.speculative.method == "ngram" and "stand-in" in " ".join(site.plan.notes)
+    assert isinstance(site.without_speculation, PlanError) and "not this one" in str(site.without_speculation)
