@@ -8,7 +8,7 @@ into tail latency (docs/background.md: SLO-aware admission).
 state (slots in flight per class, the queues, moving averages of service time and prefill speed) and
 hands freed slots to gold before silver before bronze, first come first served within a class.
 
-The gateway (`appliance.api.proxy`) takes a ticket before it sends a request to the engine and gives it
+The gateway (`appliance.api.gateway`) takes a ticket before it sends a request to the engine and gives it
 back when the answer (or stream) ends; the daemon feeds the engine's KV usage in from its metrics.
 """
 
@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CLASSES = ("gold", "silver", "bronze")  # highest priority first
+from cascade.policy import PRIORITY_CLASSES
+
 MIN_PREFILL_SAMPLE = 256  # prompt tokens
 
 
@@ -43,9 +44,9 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")
-        unknown = set(self.classes) - set(CLASSES)
+        unknown = set(self.classes) - set(PRIORITY_CLASSES)
         if unknown:
-            raise ValueError(f"unknown classes {sorted(unknown)}; use {', '.join(CLASSES)}")
+            raise ValueError(f"unknown classes {sorted(unknown)}; use {', '.join(PRIORITY_CLASSES)}")
         if sum(self.reserved_slots(c) for c in self.classes) > self.capacity:
             raise ValueError("reserved shares add up to more than the capacity")
 
@@ -107,8 +108,8 @@ def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str) -> bool:
 
 def ahead_of(load: Load, cls: str) -> int:
     """Queued requests that will be served before a new one of this class."""
-    rank = CLASSES.index(cls)
-    return sum(load.queued.get(c, 0) for c in CLASSES[: rank + 1])
+    rank = PRIORITY_CLASSES.index(cls)
+    return sum(load.queued.get(c, 0) for c in PRIORITY_CLASSES[: rank + 1])
 
 
 def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
@@ -225,7 +226,7 @@ class AdmissionGate:
         return Ticket(cls, self.clock())
 
     def _dispatch(self) -> None:
-        for cls in CLASSES:
+        for cls in PRIORITY_CLASSES:
             queue = self._waiters.get(cls)
             while queue and has_free_slot(self.cfg, self.load(), cls):
                 fut = queue.popleft()

@@ -16,6 +16,11 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from appliance.net import is_loopback
+from cascade.policy import Escalate, Mode, PriorityClass
+from kvbudget.accounting import KvDtype
+from kvbudget.planner import SpeculativeTarget, Workload
+
 from pydantic import (
     BaseModel,
     ByteSize,
@@ -32,6 +37,9 @@ CONFIG_ENV = "APPLIANCE_CONFIG"
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
 
+
+# How a start-up check acts on a difference from its pin: refuse to start, log it, or skip the check.
+Verify = Literal["fail", "warn", "off"]
 
 class ConfigError(Exception):
     """A configuration problem, phrased for an operator."""
@@ -52,7 +60,7 @@ class ModelSection(_Section):
     served_name: str = Field(default="", description="Model id clients send; default: the folder name.")
     digest: str = Field(default="", pattern=r"^(sha256:[0-9a-f]{64})?$",
                         description="The pinned artifact digest (`appliance model pin` prints it).")
-    verify: Literal["fail", "warn", "off"] = Field(
+    verify: Verify = Field(
         default="warn", description="At start: refuse (fail) or log (warn) a model that does not match its pin."
     )
 
@@ -112,11 +120,11 @@ class TargetsSection(_Section):
 
     sessions: Annotated[int, Field(ge=1)] | None = None
     context: Annotated[int, Field(ge=16)] | None = None
-    workload: Literal["chat", "code", "long-context", "tool-calling"] = "chat"
-    kv_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp4"] = "auto"
+    workload: Workload = "chat"
+    kv_dtype: KvDtype = "auto"
     ttft_p50_ms: Annotated[float, Field(gt=0)] | None = None
     tpot_ms: Annotated[float, Field(gt=0)] | None = None
-    speculative: Literal["auto", "off"] = Field(
+    speculative: SpeculativeTarget = Field(
         default="auto", description="off: never speculate (the doctor suggests it when acceptance decays).")
     prefix_caching: bool = Field(
         default=True, description="vLLM's prefix cache; off plans hybrid models with one state block per "
@@ -170,16 +178,16 @@ class ThresholdsSection(_Section):
 
 
 class TenantSection(_Section):
-    escalate: Literal["never", "auto", "always"] | None = None
-    mode: Literal["sync", "async"] | None = None
+    escalate: Escalate | None = None
+    mode: Mode | None = None
     local_only: bool = Field(default=False, description="This tenant's data never leaves the site.")
 
 
 class PolicySection(_Section):
     """Escalation policy (used by cascade): defaults, thresholds, tenants, and the outbox's bounds."""
 
-    escalate: Literal["never", "auto", "always"] = "never"
-    mode: Literal["sync", "async"] = "async"
+    escalate: Escalate = "never"
+    mode: Mode = "async"
     thresholds: ThresholdsSection = Field(default_factory=ThresholdsSection)
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
     outbox_max_pending: Annotated[int, Field(ge=1)] = 50_000
@@ -217,10 +225,10 @@ class AdmissionSection(_Section):
     enabled: bool = True
     capacity: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Requests the engine runs at once; unset: the plan's max_num_seqs.")
-    anonymous_class: Literal["gold", "silver", "bronze"] = Field(
+    anonymous_class: PriorityClass = Field(
         default="silver", description="Class of requests without a key (only possible on loopback).")
     kv_high_water: Annotated[float, Field(gt=0, le=1)] = 0.95
-    classes: dict[Literal["gold", "silver", "bronze"], ClassSection] = Field(default_factory=_default_classes)
+    classes: dict[PriorityClass, ClassSection] = Field(default_factory=_default_classes)
 
     @field_validator("classes", mode="before")
     @classmethod
@@ -246,7 +254,7 @@ class KernelsSection(_Section):
     """The native engine code every replica must load byte for byte (`appliance kernels lock`)."""
 
     lock: Path | None = Field(default=None, description="The kernel lock file; unset: not checked.")
-    verify: Literal["fail", "warn", "off"] = Field(
+    verify: Verify = Field(
         default="warn", description="At start: refuse (fail, the packaged default) or log (warn) a mismatch.")
 
 
@@ -282,8 +290,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _keys_off_loopback(self) -> "Config":
-        from appliance.api.auth import is_loopback
-
         if self.auth.require_keys == "never" and not is_loopback(self.server.host):
             raise ValueError(
                 f"auth.require_keys = \"never\" is only allowed on loopback; server.host is {self.server.host}"
@@ -388,37 +394,3 @@ def load(explicit: str | os.PathLike[str] | None = None) -> Config:
     cfg = parse(text, source=str(path), base=path.parent.resolve())
     cfg.source = path
     return cfg
-
-
-def check_runtime(cfg: Config) -> list[str]:
-    """Problems that only show against the machine (missing model files, unwritable state)."""
-    problems: list[str] = []
-    mp = cfg.model.path
-    if not mp.is_dir():
-        problems.append(
-            f"model.path {mp} is not a folder; the appliance loads models only from local paths "
-            "(run `appliance model install-default` for the embedded default)"
-        )
-    elif not (mp / "config.json").is_file():
-        problems.append(f"model.path {mp} has no config.json: not a Hugging Face model folder")
-    elif not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
-        problems.append(f"model.path {mp} has no weight files (*.safetensors or *.bin)")
-    if cfg.engine.python and not os.access(cfg.engine.python, os.X_OK):
-        problems.append(f"engine.python {cfg.engine.python} is not an executable interpreter: install the "
-                        "engine's environment there (the fleet's vLLM) or leave engine.python unset")
-    if cfg.regional.enabled:
-        from appliance.escalation import regional_settings
-        from cascade.regional import TLSFileError, TokenFileError, read_token, tls_verify
-
-        for check in (lambda: read_token(cfg.regional.token_file), lambda: tls_verify(regional_settings(cfg))):
-            try:
-                check()
-            except (TokenFileError, TLSFileError) as e:
-                problems.append(str(e))
-    sd = cfg.state.directory
-    probe = sd
-    while not probe.exists() and probe != probe.parent:  # the daemon creates the missing part
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        problems.append(f"state.directory {sd} cannot be created or written by this user ({probe} is not writable)")
-    return problems

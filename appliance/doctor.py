@@ -20,7 +20,8 @@ from typing import Literal
 
 import httpx
 
-from appliance.config import Config, check_runtime
+from appliance.config import Config
+from appliance.startup import runtime_problems
 from appliance.engine_watch import EngineSample, Window
 from appliance.model_pin import ModelCheck
 from kernels import lock as kernel_lock
@@ -124,7 +125,7 @@ def check_gpu(discovery: Discovery, build: str | None) -> list[Finding]:
 
 
 def check_model(cfg: Config, model_check: ModelCheck | None) -> Finding:
-    problems = [p for p in check_runtime(cfg) if p.startswith("model.path")]
+    problems = [p.message for p in runtime_problems(cfg) if p.setting == "model.path"]
     if problems:
         return Finding("model", "fail", problems[0], "point model.path at a local Hugging Face model folder")
     if model_check is None:
@@ -151,7 +152,7 @@ def check_kernels(cfg: Config, kernel_check: KernelCheck | None = None) -> Findi
 
 
 def check_state(cfg: Config) -> list[Finding]:
-    problems = [p for p in check_runtime(cfg) if p.startswith("state.directory")]
+    problems = [p.message for p in runtime_problems(cfg) if p.setting == "state.directory"]
     if problems:
         return [Finding("state", "fail", problems[0], "create the folder for the service user "
                                                       "(the packaged unit uses StateDirectory=appliance)")]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.store import open_db
+from cascade.policy import PRIORITY_CLASSES
 
 PREFIX = "apk"
-CLASSES = ("gold", "silver", "bronze")
 
 
 class KeyProblem(ValueError):
@@ -61,8 +61,8 @@ def create(db_path: Path, name: str, tenant: str = "default", priority_class: st
     """Create a key; returns it and the full secret string, which is never stored and never shown again."""
     if not name.strip():
         raise KeyProblem("a key needs a name (who or what uses it)")
-    if priority_class not in CLASSES:
-        raise KeyProblem(f"class must be one of {', '.join(CLASSES)} (got {priority_class!r})")
+    if priority_class not in PRIORITY_CLASSES:
+        raise KeyProblem(f"class must be one of {', '.join(PRIORITY_CLASSES)} (got {priority_class!r})")
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     key = ApiKey(key_id, name.strip(), tenant.strip() or "default", priority_class, admin, time.time())

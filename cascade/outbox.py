@@ -28,14 +28,17 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import sqlite_utils
 
+from cascade.policy import PRIORITY_CLASSES
+
 Status = Literal["queued", "sending", "done", "failed", "expired"]
-STATUSES: tuple[Status, ...] = ("queued", "sending", "done", "failed", "expired")
-PRIORITY = {"gold": 0, "silver": 1, "bronze": 2}
-PENDING = ("queued", "sending")
+STATUSES: tuple[Status, ...] = get_args(Status)
+PRIORITY = {cls: rank for rank, cls in enumerate(PRIORITY_CLASSES)}
+PENDING: tuple[Status, ...] = ("queued", "sending")
+FINISHED: tuple[Status, ...] = tuple(s for s in STATUSES if s not in PENDING)
 
 
 class OutboxFull(Exception):
@@ -186,7 +189,7 @@ class Outbox:
             return self.db.execute(f"UPDATE escalations SET status='queued', attempts=0, next_attempt=? "
                                    f"WHERE {sql}", [self.clock(), *args]).rowcount
 
-    def purge(self, statuses: Iterable[str] = ("done", "failed", "expired"), older_than_s: float = 0.0,
+    def purge(self, statuses: Iterable[str] = FINISHED, older_than_s: float = 0.0,
               ids: Iterable[str] | None = None) -> int:
         """Delete finished rows; pending ones (queued, sending) are never purged."""
         statuses = [s for s in statuses if s not in PENDING]

@@ -18,13 +18,21 @@ Precedence, strongest first (the first rule that applies decides):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from cascade.signals import Signals
 
 Escalate = Literal["never", "auto", "always"]
+ESCALATE: tuple[Escalate, ...] = get_args(Escalate)
 Mode = Literal["sync", "async"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+# The site's priority classes, highest first: admission serves, and the outbox forwards, in this order.
+PriorityClass = Literal["gold", "silver", "bronze"]
+PRIORITY_CLASSES: tuple[PriorityClass, ...] = get_args(PriorityClass)
 Action = Literal["local", "escalate_now", "local_then_judge", "refuse"]
+# Why a request for a regional-only model is refused: no regional endpoint exists (the model is not
+# found here), or one exists and this request may not use it.
+Refusal = Literal["no_regional_endpoint", "escalation_forbidden"]
 
 ESCALATE_HEADER = "x-appliance-escalate"
 DATA_HEADER = "x-appliance-data"
@@ -86,16 +94,17 @@ class Decision:
     mode: Mode
     reason: str
     may_escalate: bool  # False: this request must never be sent over the backhaul
+    refusal: Refusal | None = None  # set when action is "refuse"
 
 
 def parse_headers(headers: dict[str, str]) -> tuple[Escalate | None, Mode | None, bool]:
     """The policy headers, validated (case-insensitive names and values)."""
     lower = {k.lower(): v.strip().lower() for k, v in headers.items()}
     escalate = lower.get(ESCALATE_HEADER)
-    if escalate is not None and escalate not in ("never", "auto", "always"):
+    if escalate is not None and escalate not in ESCALATE:
         raise PolicyError(f"X-Appliance-Escalate must be never, auto or always (got {escalate!r})", "X-Appliance-Escalate")
     mode = lower.get(MODE_HEADER)
-    if mode is not None and mode not in ("sync", "async"):
+    if mode is not None and mode not in MODES:
         raise PolicyError(f"X-Appliance-Escalation-Mode must be sync or async (got {mode!r})",
                           "X-Appliance-Escalation-Mode")
     data = lower.get(DATA_HEADER)
@@ -114,24 +123,25 @@ def decide(cfg: PolicyConfig, req: RequestFacts) -> Decision:
     if tenant.local_only or req.local_only_header:
         why = "tenant data is local-only" if tenant.local_only else "X-Appliance-Data: local-only"
         if regional_only:
-            return Decision("refuse", mode, f"model {req.model} is served only regionally and {why}", False)
+            return Decision("refuse", mode, f"model {req.model} is served only regionally and {why}", False,
+                            "escalation_forbidden")
         return Decision("local", mode, why, False)
     if not cfg.regional_enabled:
         if regional_only:
             return Decision("refuse", mode, f"model {req.model} is served only regionally and no regional "
-                                            "endpoint is configured", False)
+                                            "endpoint is configured", False, "no_regional_endpoint")
         return Decision("local", mode, "no regional endpoint configured", False)
     if tenant.escalate == "never":
         if regional_only:
             return Decision("refuse", mode, f"model {req.model} is served only regionally and tenant "
-                                            f"{req.tenant} may not escalate", False)
+                                            f"{req.tenant} may not escalate", False, "escalation_forbidden")
         return Decision("local", mode, f"tenant {req.tenant} may not escalate", False)
 
     setting: Escalate = req.header_escalate or tenant.escalate or cfg.default
     if setting == "never":
         if regional_only:
             return Decision("refuse", mode, f"model {req.model} is served only regionally and escalation is off",
-                            False)
+                            False, "escalation_forbidden")
         return Decision("local", mode, "escalation is off for this request", False)
     if regional_only:
         return Decision("escalate_now", mode, f"model {req.model} is served only regionally", True)

@@ -11,11 +11,12 @@ All sizes are per GPU (per tensor-parallel rank), in bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-from kvbudget.model import STATE_KINDS, ModelShape
+from kvbudget.model import STATE_KINDS, LayerKind, ModelShape
 
 KvDtype = Literal["auto", "bf16", "fp16", "fp8", "fp4"]
+KV_DTYPES: tuple[KvDtype, ...] = get_args(KvDtype)
 MambaCacheMode = Literal["none", "align", "all"]
 SpecMethod = Literal["none", "ngram", "eagle", "eagle3", "mtp"]
 
@@ -66,7 +67,7 @@ class EngineShape:
 class LayerSpec:
     """One layer's cache on one rank, like vLLM's FullAttentionSpec / SlidingWindowSpec / MambaSpec."""
 
-    kind: Literal["full", "sliding", "chunked", "mla", "linear", "mamba"]
+    kind: LayerKind
     page_bytes: int  # after padding (a recurrent state is padded to the attention page)
     block_size: int
     sliding_window: int | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 from kvbudget.accounting import (
     CPU_DEFAULT_BLOCK_SIZE,
@@ -26,6 +26,8 @@ from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
 
 Workload = Literal["chat", "code", "long-context", "tool-calling"]
+WORKLOADS: tuple[Workload, ...] = get_args(Workload)
+SpeculativeTarget = Literal["auto", "off"]  # off: the operator (or the doctor's advice) turned it off
 GiB = 1 << 30
 
 DEFAULT_CONTEXT = {"chat": 32_768, "code": 32_768, "long-context": 131_072, "tool-calling": 32_768}
@@ -45,7 +47,7 @@ class Targets:
     max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on the CPU backend (passed explicitly)
     draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
     num_speculative_tokens: int | None = None
-    speculative: Literal["auto", "off"] = "auto"  # off: the operator (or the doctor's advice) turned it off
+    speculative: SpeculativeTarget = "auto"
     prefix_caching: bool = True  # vLLM's default; off trades cache hits for fewer state blocks on hybrids
     draft_model: str | None = None  # a local EAGLE-3 folder; its path goes into --speculative-config
     draft_layers: int | None = None  # KV layers the draft adds (counted from its config.json)

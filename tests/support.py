@@ -83,7 +83,7 @@ def default_model_path() -> Path:
 
 
 def model_folder(parent: Path) -> Path:
-    """What check_runtime looks for, and no more: a folder with config.json and a weights file."""
+    """What startup.runtime_problems looks for, and no more: a folder with config.json and a weights file."""
     folder = parent / "model"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text("{}")

@@ -13,14 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from appliance import __version__
 from appliance.api.auth import ApiKeyAuth
 from appliance.api.errors import ApiError, install_handlers
-from appliance.api.proxy import EngineProxy
+from appliance.api.gateway import Gateway
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
 from appliance.keys import KeyVerifier
 from cascade.outbox import STATUSES
 
 
-def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = None,
+def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = None,
                verifier: KeyVerifier | None = None, keys_required: bool = False,
                status: Callable[[], dict[str, Any]] | None = None,
                doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> FastAPI:
@@ -33,7 +33,7 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
     install_handlers(app)
     if verifier is not None:
         app.add_middleware(ApiKeyAuth, verifier=verifier, required=keys_required)
-    supervisor = proxy.supervisor
+    supervisor = gateway.supervisor
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -47,17 +47,17 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         body = {"status": "ready" if st.state is EngineState.READY else "not_ready", "engine": st.as_dict()}
         if st.state is EngineState.READY:
             return JSONResponse(body)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(proxy.settings.retry_after_s)})
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(gateway.settings.retry_after_s)})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format: the gateway's figures and the engine's key figures."""
-        if proxy.metrics is None:
+        if gateway.metrics is None:
             raise ApiError(404, "metrics are not enabled in this daemon", code="not_found")
-        proxy.metrics.observe_engine(supervisor.status)
-        if proxy.admission is not None:
-            proxy.metrics.observe_admission(proxy.admission.load())
-        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        gateway.metrics.observe_engine(supervisor.status)
+        if gateway.admission is not None:
+            gateway.metrics.observe_admission(gateway.admission.load())
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/appliance/status")
     async def appliance_status() -> dict[str, Any]:
@@ -77,10 +77,10 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
     async def appliance_requests() -> dict[str, Any]:
         """The generation requests the gateway holds now, oldest first: phase, age, and for a stream the
         chunks read from the engine and handed to the client (with the seconds since each last moved)."""
-        out: dict[str, Any] = {"object": "list", "data": proxy.inflight.snapshot(),
-                               "engine_local_in_flight": proxy.local_in_flight}
-        if proxy.admission is not None:
-            load = proxy.admission.load()
+        out: dict[str, Any] = {"object": "list", "data": gateway.inflight.snapshot(),
+                               "engine_local_in_flight": gateway.local_in_flight}
+        if gateway.admission is not None:
+            load = gateway.admission.load()
             out["admission"] = {"in_flight": dict(load.in_flight), "queued": dict(load.queued)}
         return out
 
@@ -101,16 +101,16 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
         if not limit.isdigit() or not 1 <= int(limit) <= 1000:
             raise ApiError(400, f"limit must be a whole number from 1 to 1000 (got {limit!r})",
                            code="invalid_parameter", param="limit")
-        if proxy.cascade is None:
+        if gateway.cascade is None:
             return {"object": "list", "data": []}
         owner = _owner_filter(request)
-        rows = await asyncio.to_thread(proxy.cascade.outbox.list, status, owner, int(limit))
+        rows = await asyncio.to_thread(gateway.cascade.outbox.list, status, owner, int(limit))
         return {"object": "list", "data": [e.summary() for e in rows]}
 
     @app.get("/v1/escalations/{esc_id}")
     async def get_escalation(request: Request, esc_id: str) -> dict[str, Any]:
         """One escalation with the regional answer once it has arrived."""
-        esc = await asyncio.to_thread(proxy.cascade.outbox.get, esc_id) if proxy.cascade is not None else None
+        esc = await asyncio.to_thread(gateway.cascade.outbox.get, esc_id) if gateway.cascade is not None else None
         owner = _owner_filter(request)
         if esc is None or (owner is not None and esc.key_id != owner):
             raise ApiError(404, f"no escalation with id {esc_id!r}", code="escalation_not_found", param="id")
@@ -125,14 +125,14 @@ def create_app(proxy: EngineProxy, plan: Callable[[], dict[str, Any]] | None = N
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        return await proxy.list_models(request)
+        return await gateway.list_models(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await proxy.generate(request, "/v1/chat/completions", ChatCompletionRequest)
+        return await gateway.generate(request, "/v1/chat/completions", ChatCompletionRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await proxy.generate(request, "/v1/completions", CompletionRequest)
+        return await gateway.generate(request, "/v1/completions", CompletionRequest)
 
     return app

@@ -11,23 +11,14 @@ A plain ASGI middleware, not Starlette's BaseHTTPMiddleware, which would wrap ev
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 
 from appliance.api.errors import ApiError
 from appliance.keys import KeyVerifier
+from appliance.net import is_loopback
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 ADMIN_PREFIXES = ("/v1/appliance/",)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def keys_required(mode: str, host: str) -> bool:

@@ -59,6 +59,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def retry_later(status: int, message: str, code: str, retry_after_s: int | float,
+                headers: dict[str, str] | None = None, param: str | None = None) -> ApiError:
+    """A refusal the client should retry (429, 503): Retry-After says when, in whole seconds."""
+    return ApiError(status, message, code=code, param=param,
+                    headers={"Retry-After": str(max(1, round(retry_after_s))), **(headers or {})})
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

@@ -1,34 +1,46 @@
-"""The real FastAPI app in-process, with its proxy's engine never started (no vLLM needed)."""
+"""The real FastAPI app in-process, with its gateway's engine never started (no vLLM needed)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from fastapi import FastAPI
 
 from appliance import config, keys
 from appliance.api.app import create_app
-from appliance.api.proxy import EngineProxy, GatewaySettings
+from appliance.api.gateway import Gateway, GatewaySettings
 from appliance.engine.supervisor import EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
 
 
+@dataclass
+class InProcess:
+    cfg: config.Config
+    app: FastAPI
+    log: RequestLog
+    gateway: Gateway
+
+
 def app(tmp_path: Path, required: bool, ttl: float = 5.0):
-    cfg, application, log, _ = gateway(tmp_path, required, ttl)
-    return cfg, application, log
+    made = gateway(tmp_path, required, ttl)
+    return made.cfg, made.app, made.log
 
 
-def gateway(tmp_path: Path, required: bool, ttl: float = 5.0):
-    """app(), and the proxy behind it."""
+def gateway(tmp_path: Path, required: bool, ttl: float = 5.0,
+            transport: httpx.AsyncBaseTransport | None = None) -> InProcess:
+    """The app and the gateway behind it; `transport` stands in for the engine's port."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     log = RequestLog(cfg.database_path, keep_text=False)
     log.start()
-    proxy = EngineProxy(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics())
-    application = create_app(proxy, plan=lambda: {"fits": True}, verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl),
-                     keys_required=required)
-    return cfg, application, log, proxy
+    gw = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics(),
+                 transport=transport)
+    application = create_app(gw, plan=lambda: {"fits": True},
+                             verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl), keys_required=required)
+    return InProcess(cfg, application, log, gw)
 
 
 def call(app, method: str, path: str, key: str | None = None, json: dict | None = None, header: str = "bearer"):

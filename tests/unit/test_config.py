@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from appliance import config
+from appliance.startup import runtime_problems
 
 MINIMAL = '[model]\npath = "models/m"\n'
 
@@ -78,7 +79,7 @@ def test_environment_chooses_the_file(tmp_path: Path, monkeypatch):
 
 def test_runtime_check_reports_missing_model_folder(tmp_path: Path):
     cfg = config.parse(f'[model]\npath = "{tmp_path}/absent"\n[state]\ndirectory = "{tmp_path}/s"\n')
-    problems = config.check_runtime(cfg)
+    problems = [str(p) for p in runtime_problems(cfg)]
     assert len(problems) == 1 and "not a folder" in problems[0] and "install-default" in problems[0]
 
 
@@ -132,11 +133,11 @@ def test_runtime_check_accepts_a_state_directory_it_will_create(tmp_path: Path):
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{tmp_path}/not/yet/there"\n')
-    assert config.check_runtime(cfg) == []
+    assert [str(p) for p in runtime_problems(cfg)] == []
     blocked = tmp_path / "file"
     blocked.write_text("")
     cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{blocked}/state"\n')
-    assert "cannot be created" in config.check_runtime(cfg)[0]
+    assert "cannot be created" in [str(p) for p in runtime_problems(cfg)][0]
 
 
 # -- appliance init ------------------------------------------------------------------------------

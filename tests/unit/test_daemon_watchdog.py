@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from appliance import config
-from appliance.daemon import Daemon
+from appliance.assembly import build
 from appliance.planning import plan_for_config
 from tests.support import REPO, NotifyListener, free_port, wait_for
 
@@ -49,7 +49,7 @@ def test_a_wedged_event_loop_stops_the_watchdog_pings_until_it_turns_again(tmp_p
     monkeypatch.setenv("NOTIFY_SOCKET", listener.path)
     monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
     cfg = _config(tmp_path)
-    daemon = Daemon(cfg, plan_for_config(cfg, ask_vllm=False))
+    daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))
     pings = lambda: [t for t, m in zip(listener.times, listener.messages) if m == "WATCHDOG=1"]  # noqa: E731
     marks: dict[str, float] = {}
 

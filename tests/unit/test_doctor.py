@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from appliance import config, doctor, keys
 from appliance.api.app import create_app
-from appliance.api.proxy import EngineProxy, GatewaySettings
+from appliance.api.gateway import Gateway, GatewaySettings
 from appliance.cli import main
 from appliance.config import parse
 from appliance.engine.supervisor import EngineSupervisor
@@ -267,7 +267,7 @@ def daemon_requiring_keys(tmp_path: Path):
     cfg_path.write_text(f'[model]\npath = "{model_folder(tmp_path)}"\n[state]\ndirectory = "{state}"\n'
                         f'[server]\nhost = "127.0.0.1"\nport = {port}\n')
     cfg = config.load(cfg_path)
-    proxy = EngineProxy(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0),
+    proxy = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0),
                         RequestLog(cfg.database_path, keep_text=False), Metrics())
 
     async def live() -> dict:

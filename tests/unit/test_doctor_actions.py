@@ -12,23 +12,22 @@ from dataclasses import replace
 from pathlib import Path
 
 from appliance.config import load
+from appliance.assembly import build
 from appliance.daemon import Daemon
-from appliance.engine.supervisor import EngineState
+from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.engine_watch import EngineSample
 from appliance.planning import plan_for_config
+from appliance.status_view import doctor_report, status
 from kvbudget import probe
 from kvbudget.gpu import Discovery
 from kvbudget.planner import PlanError
 from tests.support import write_config
 
 
-class RecordingSupervisor:
-    def __init__(self, real) -> None:
-        self.real = real
+class RecordingSupervisor(EngineSupervisor):
+    def __init__(self, cfg, engine_args) -> None:
+        super().__init__(cfg, engine_args)
         self.relaunched: list[tuple[list[str], str]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
 
     async def relaunch(self, engine_args, reason: str, drain=None) -> None:
         if drain is not None:
@@ -40,12 +39,11 @@ def _daemon(tmp_path: Path, act: bool, doctor: str = "") -> tuple[Daemon, Record
     path = write_config(tmp_path, extra=f'[targets]\nworkload = "code"\n'
                                         f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n{doctor}")
     cfg = load(path)
-    daemon = Daemon(cfg, plan_for_config(cfg, Discovery(error="no NVIDIA driver"), ask_vllm=False))
-    assert daemon.site_plan.plan.speculative.method == "ngram"  # code on a tight budget: n-gram drafts
-    daemon.supervisor.status.state = EngineState.READY
-    recorder = RecordingSupervisor(daemon.supervisor)
-    daemon.supervisor = recorder  # type: ignore[assignment]
-    return daemon, recorder
+    site_plan = plan_for_config(cfg, Discovery(error="no NVIDIA driver"), ask_vllm=False)
+    assert site_plan.plan.speculative.method == "ngram"  # code on a tight budget: n-gram drafts
+    recorder = RecordingSupervisor(cfg, site_plan.plan.vllm_args)
+    recorder.status.state = EngineState.READY
+    return build(cfg, site_plan, supervisor=recorder), recorder
 
 
 def _feed(daemon: Daemon, accepted_share: float) -> None:
@@ -60,33 +58,33 @@ def _feed(daemon: Daemon, accepted_share: float) -> None:
 def test_decayed_speculation_is_turned_off_and_the_engine_relaunched(tmp_path: Path):
     daemon, sup = _daemon(tmp_path, act=True)
     _feed(daemon, 0.1)
-    action = asyncio.run(daemon.act_on_recipes())
+    action = asyncio.run(daemon.remedies.act())
     assert action and "ngram" in action and "acceptance 10%" in action
     [(args, reason)] = sup.relaunched
     assert "--speculative-config" not in args and reason == action
     assert "--kv-cache-memory-bytes" in args  # the rest of the plan is unchanged
-    status = daemon.status()["plan"]["speculative"]
-    assert status == {"method": "none", "reason": action}
+    shown = status(daemon.state, daemon.supervisor, daemon.cascade)["plan"]["speculative"]
+    assert shown == {"method": "none", "reason": action}
     assert daemon.metrics.doctor_actions.labels("speculative_off")._value.get() == 1
     assert not daemon.engine_watch.samples  # the old engine's counters are not compared with the new one's
     # Done once: with speculation off there is nothing more to do.
     _feed(daemon, 0.1)
-    assert asyncio.run(daemon.act_on_recipes()) is None and len(sup.relaunched) == 1
+    assert asyncio.run(daemon.remedies.act()) is None and len(sup.relaunched) == 1
     assert daemon.cfg.targets.speculative == "auto"  # the file's setting; a restart brings speculation back
 
 
 def test_healthy_speculation_is_left_alone(tmp_path: Path):
     daemon, sup = _daemon(tmp_path, act=True)
     _feed(daemon, 0.7)
-    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
-    assert daemon.site_plan.plan.speculative.method == "ngram"
+    assert asyncio.run(daemon.remedies.act()) is None and not sup.relaunched
+    assert daemon.state.site_plan.plan.speculative.method == "ngram"
 
 
 def test_decayed_speculation_is_only_reported_unless_configured(tmp_path: Path):
     daemon, sup = _daemon(tmp_path, act=False)
     _feed(daemon, 0.1)
-    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
-    found = {f["check"]: f for f in asyncio.run(daemon.doctor())["findings"]}
+    assert asyncio.run(daemon.remedies.act()) is None and not sup.relaunched
+    found = {f["check"]: f for f in asyncio.run(doctor_report(daemon.state, daemon.supervisor, daemon.engine_watch))["findings"]}
     assert found["speculative"]["status"] == "warn"  # still advised, for the operator to decide
 
 
@@ -96,13 +94,13 @@ def test_the_relaunch_waits_for_the_answers_in_flight(tmp_path: Path):
     _feed(daemon, 0.1)
 
     async def scenario() -> None:
-        lease = daemon.proxy._lease(None)  # a request the local engine is answering
-        acting = asyncio.create_task(daemon.act_on_recipes())
+        lease = daemon.gateway.lease(None)  # a request the local engine is answering
+        acting = asyncio.create_task(daemon.remedies.act())
         await asyncio.sleep(0.5)
         assert not acting.done() and not sup.relaunched, "the engine was relaunched under a request in flight"
         lease.end()
         assert await asyncio.wait_for(acting, 5)
-        assert len(sup.relaunched) == 1 and daemon.proxy.local_in_flight == 0
+        assert len(sup.relaunched) == 1 and daemon.gateway.local_in_flight == 0
 
     asyncio.run(scenario())
 
@@ -113,9 +111,9 @@ def test_the_drain_is_bounded(tmp_path: Path, caplog):
     _feed(daemon, 0.1)
 
     async def scenario() -> None:
-        daemon.proxy._lease(None)  # never ends
+        daemon.gateway.lease(None)  # never ends
         t = time.monotonic()
-        assert await daemon.act_on_recipes()
+        assert await daemon.remedies.act()
         assert 0.3 <= time.monotonic() - t < 3 and len(sup.relaunched) == 1
 
     asyncio.run(scenario())
@@ -125,24 +123,24 @@ def test_the_drain_is_bounded(tmp_path: Path, caplog):
 def test_the_relaunch_uses_the_plan_made_at_start(tmp_path: Path, monkeypatch):
     """Planning anew would run the vLLM probe while the engine keeps every core busy (minutes on 2 cores)."""
     daemon, sup = _daemon(tmp_path, act=True)
-    daemon.site_plan = replace(daemon.site_plan, asked_vllm=True)
+    daemon.state.site_plan = replace(daemon.state.site_plan, asked_vllm=True)
 
     def no_probe(*a, **k):
         raise AssertionError("the doctor ran the vLLM probe again")
 
     monkeypatch.setattr(probe, "ask_many", no_probe)
     _feed(daemon, 0.1)
-    assert asyncio.run(daemon.act_on_recipes())
+    assert asyncio.run(daemon.remedies.act())
     [(args, _)] = sup.relaunched
     assert "--speculative-config" not in args
 
 
 def test_no_relaunch_when_the_plan_without_speculation_cannot_run(tmp_path: Path, caplog):
     daemon, sup = _daemon(tmp_path, act=True)
-    daemon.site_plan = replace(daemon.site_plan, without_speculation=PlanError("vLLM refuses this plan: because"))
+    daemon.state.site_plan = replace(daemon.state.site_plan, without_speculation=PlanError("vLLM refuses this plan: because"))
     _feed(daemon, 0.1)
-    assert asyncio.run(daemon.act_on_recipes()) is None and not sup.relaunched
-    assert daemon.site_plan.plan.speculative.method == "ngram"
+    assert asyncio.run(daemon.remedies.act()) is None and not sup.relaunched
+    assert daemon.state.site_plan.plan.speculative.method == "ngram"
     assert "cannot be planned without it: vLLM refuses this plan: because" in caplog.text
 
 

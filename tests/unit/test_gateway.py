@@ -47,10 +47,10 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
             return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
 
-    cfg, application, log, proxy = gateway(tmp_path, required=False)
-    proxy.supervisor.launch = build_launch(cfg, [], 8123, "k")
-    proxy.supervisor.status.state = EngineState.READY
-    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
+    cfg, application, log, gw = made.cfg, made.app, made.log, made.gateway
+    gw.supervisor.launch = build_launch(cfg, [], 8123, "k")
+    gw.supervisor.status.state = EngineState.READY
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t") as c:

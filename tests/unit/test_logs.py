@@ -52,7 +52,7 @@ sock.settimeout(5)
 os.environ["JOURNAL_STREAM"] = "8:12345"  # as systemd sets it for a service: logs go to the journal
 from appliance import logs
 logs.setup("INFO")
-logging.getLogger("appliance.api.proxy").warning("stream %s broke off: %s", "req-42", "ReadError",
+logging.getLogger("appliance.api.relay").warning("stream %s broke off: %s", "req-42", "ReadError",
                                                  extra={"REQUEST_ID": "req-42"})
 logs.shutdown()
 data = sock.recv(65536)

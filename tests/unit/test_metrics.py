@@ -94,13 +94,13 @@ def test_a_scrape_never_calls_the_engine(tmp_path):
         calls.append(request.url.path)
         return httpx.Response(200, text=ENGINE_TEXT)
 
-    cfg, application, log, proxy = gateway(tmp_path, required=False)
-    # An engine that answers, on the proxy's own client: a scrape that still called it would be seen.
-    proxy.supervisor.launch = build_launch(cfg, [], 8123, "k")
-    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
-    watch = EngineWatch(proxy.client, lambda: proxy.supervisor.base_url,
-                        on_error=proxy.metrics.engine_scrape_errors.inc)
-    proxy.metrics.attach_engine(lambda: watch.latest_text)
+    # An engine that answers, on the gateway's own client: a scrape that still called it would be seen.
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
+    cfg, application, log, gw = made.cfg, made.app, made.log, made.gateway
+    gw.supervisor.launch = build_launch(cfg, [], 8123, "k")
+    watch = EngineWatch(gw.client, lambda: gw.supervisor.base_url,
+                        on_error=gw.metrics.engine_scrape_errors.inc)
+    gw.metrics.attach_engine(lambda: watch.latest_text)
     try:
         asyncio.run(watch.poll_once())
         assert calls == ["/metrics"]

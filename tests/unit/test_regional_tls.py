@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from appliance.config import check_runtime, load
+from appliance.config import load
+from appliance.startup import runtime_problems
 from cascade.regional import LinkDown, RegionalClient, RegionalSettings, TLSFileError, tls_verify
 from tests.support import free_port, serve_in_thread
 
@@ -115,5 +116,5 @@ base_url = "https://regional.example/v1"
 model = "regional"
 ca_bundle = "{tmp_path / 'nope.pem'}"
 """)
-    problems = check_runtime(load(cfg))
+    problems = [str(p) for p in runtime_problems(load(cfg))]
     assert any("regional.ca_bundle" in p and "nope.pem" in p for p in problems), problems

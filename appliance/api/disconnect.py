@@ -1,0 +1,76 @@
+"""Noticing a client that leaves: whatever the gateway is waiting for is cancelled and cleaned up.
+
+A client that goes away closes the upstream connection, which makes vLLM abort the request and free its
+KV blocks; an admission slot granted to a client already gone is handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from appliance.admission import AdmissionRejected
+
+
+class ClientGone(Exception):
+    """The client disconnected while the gateway waited on its behalf."""
+
+
+async def _close_response(res: httpx.Response) -> None:
+    await res.aclose()
+
+
+async def race_disconnect(request: Request, work: Awaitable[Any],
+                          discard: Callable[[Any], Awaitable[None]] = _close_response) -> Any:
+    """Run `work` unless the client disconnects first; then cancel it, and `discard` a result that
+    arrived anyway (an upstream response to close, an admission slot to give back)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, AdmissionRejected):
+            res = await task
+            if res is not None:
+                await discard(res)
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def read_or_leave(request: Request, upstream: httpx.Response) -> bytes:
+    """The whole upstream body unless the client leaves first; the upstream is closed either way."""
+    try:
+        return await race_disconnect(request, upstream.aread())
+    finally:
+        await upstream.aclose()
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends: finished, failed or cancelled."""
+
+    def __init__(self, content: Any, *, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()

@@ -1,0 +1,306 @@
+"""The gateway: an OpenAI request in, the local engine's (or the regional cluster's) answer out.
+
+It composes the rooms beside it: intake (body, id, estimates), routing (policy, regional answers,
+judging), admission (a slot per request, by priority class), relay (SSE), disconnect handling and
+recording. It also keeps the leases of the requests the local engine is answering, so a planned
+relaunch can let them finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.background import BackgroundTask
+
+from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
+from appliance.admission import Request as AdmissionRequest
+from appliance.api import answers
+from appliance.api.disconnect import ClientGone, ClosingStream, race_disconnect, read_or_leave
+from appliance.api.errors import ApiError, error_body, retry_later
+from appliance.api.inflight import Flight
+from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
+from appliance.api.recording import Recorder
+from appliance.api.relay import relay
+from appliance.api.routing import Routing
+from appliance.api.schemas import validate_body
+from appliance.engine.supervisor import EngineState, EngineSupervisor
+from appliance.metrics import Metrics
+from appliance.store import RequestLog, RequestRecord
+from cascade.service import Cascade
+
+_NOT_READY = {
+    EngineState.STARTING: "the engine is loading the model",
+    EngineState.RESTARTING: "the engine is restarting",
+    EngineState.FAILED: "the engine has failed and the appliance gave up restarting it",
+    EngineState.STOPPING: "the appliance is stopping",
+}
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    served_name: str
+    max_body_bytes: int
+    retry_after_s: int
+    upstream_timeout_s: float
+    default_class: str = "silver"  # the priority class of a request without a key
+
+
+class Gateway:
+    def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None,
+                 metrics: Metrics | None = None, admission: AdmissionGate | None = None,
+                 cascade: Cascade | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.supervisor = supervisor
+        self.admission = admission
+        self.cascade = cascade
+        self.settings = settings
+        self.metrics = metrics
+        self.recorder = Recorder(request_log, metrics)
+        self.routing = Routing(cascade, settings.served_name, self.recorder, settings.retry_after_s)
+        # One pooled client for the daemon's lifetime: keep-alive connections to the engine save a TCP
+        # handshake per request. `transport` replaces the network in tests, as in httpx's own.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            transport=transport,
+        )
+        # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
+        self._local: set[Lease] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self):
+        return self.recorder.inflight
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # -- the local engine's leases ----------------------------------------------------------
+
+    @property
+    def local_in_flight(self) -> int:
+        return len(self._local)
+
+    async def drained(self, timeout: float) -> int:
+        """Wait until the local engine answers no request, at most `timeout` s; returns how many still run."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return len(self._local)
+
+    def lease(self, ticket: Ticket | None) -> "Lease":
+        lease = Lease(ticket, self._end_lease)
+        self._local.add(lease)
+        self._idle.clear()
+        return lease
+
+    def _end_lease(self, lease: "Lease") -> None:
+        self._local.discard(lease)
+        self._release(lease.ticket)
+        if not self._local:
+            self._idle.set()
+
+    # -- routes ---------------------------------------------------------------------------
+
+    def require_ready(self) -> str:
+        """The engine's address, or 503 with Retry-After saying why it cannot answer now."""
+        st = self.supervisor.status
+        base = self.supervisor.base_url
+        if st.state is not EngineState.READY or base is None:
+            what = _NOT_READY.get(st.state, "the engine is not running")
+            raise retry_later(503, f"{what} ({st.reason}); retry later", "engine_not_ready",
+                              self.settings.retry_after_s)
+        return base
+
+    async def list_models(self, request: Request) -> Response:
+        base = self.require_ready()
+        try:
+            r = await self.client.get(f"{base}/v1/models", headers=self._auth())
+        except httpx.HTTPError as e:
+            raise self._unreachable(e) from None
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def generate(self, request: Request, route: str, schema: type) -> Response:
+        rid = request_id(request)
+        t0 = time.perf_counter()
+        key = request.scope.get("state", {}).get("api_key")
+        cls = key.priority_class if key else self.settings.default_class
+        rec = RequestRecord(id=rid, ts=time.time(), route=route, model=None, status=0, stream=False,
+                            key_id=key.id if key else None, extra={"class": cls})
+        body: Any = None
+        try:
+            body = await read_json(request, self.settings.max_body_bytes)
+            parsed = validate_body(schema, body)
+            prompt_tokens, most = estimate_tokens(body), max_tokens(parsed)
+            decision = self.routing.decide(request.headers, parsed.model, prompt_tokens, most, key)
+            self.routing.check_model(parsed.model, decision)
+            base = self._engine_or_regional(decision)
+        except ApiError as e:
+            rec.model = body_model(body)
+            raise self.recorder.failed(rec, t0, e) from None
+
+        rec.model, rec.stream = parsed.model, bool(parsed.stream)
+        if self.recorder.keeps_text:
+            rec.prompt = prompt_text(body)
+        job = Job(rec=rec, t0=t0, body=body, original=dict(body), stream=rec.stream,
+                  client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                  cls=cls, tenant=key.tenant if key else None, decision=decision, prompt_tokens=prompt_tokens,
+                  max_tokens=most, flight=self.inflight.start(rec, Flight(rid, route, cls, rec.stream)))
+        try:
+            return await self._route(request, job, base)
+        except BaseException:
+            self.inflight.end(rec)  # whatever the error, the request is over
+            raise
+
+    async def _route(self, request: Request, job: Job, base: str | None) -> Response:
+        decision = job.decision
+        if base is None:
+            return await self.routing.answer_regionally(job, fallback=None)
+        if decision is not None and decision.action == "escalate_now":
+            if decision.mode == "sync" or job.rec.model != self.settings.served_name:
+                local = job.rec.model == self.settings.served_name
+                return await self.routing.answer_regionally(
+                    job, fallback=(lambda: self._answer_locally(request, job, base)) if local else None)
+            job.escalation = await self.routing.escalate(job, sync=False, reason=decision.reason)
+        elif decision is not None and decision.action == "local_then_judge":
+            job.judge = True
+            job.client_wants_logprobs = answers.request_logprobs(job.body, chat=job.rec.route == "/v1/chat/completions")
+        if self.cascade is not None:
+            self.cascade.count("local")
+        return await self._answer_locally(request, job, base)
+
+    def _engine_or_regional(self, decision: Any) -> str | None:
+        """The engine's address; None when the answer comes from the regional cluster instead (a model
+        only it serves, or the local engine down while the policy allows escalation)."""
+        if decision is not None and decision.action == "escalate_now" and decision.mode == "sync":
+            return self.supervisor.base_url if self.supervisor.ready else None
+        try:
+            return self.require_ready()
+        except ApiError:
+            if self.routing.regional_instead(decision):
+                return None
+            raise
+
+    async def _answer_locally(self, request: Request, job: Job, base: str) -> Response:
+        rec, body = job.rec, job.body
+        if job.stream and not job.client_wants_usage:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        job.flight.enter("admission")
+        try:
+            ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens))
+        except ApiError as e:
+            raise self.recorder.failed(rec, job.t0, e) from None
+        except ClientGone:
+            return self.recorder.client_gone(rec, job.t0)
+        admitted = time.perf_counter()
+        lease = self.lease(ticket)
+        try:
+            return await self._forward(request, base, job, lease, admitted)
+        except BaseException:
+            lease.end()
+            raise
+
+    async def _admit(self, request: Request, req: AdmissionRequest) -> Ticket | None:
+        if self.admission is None:
+            return None
+        try:
+            return await race_disconnect(request, self.admission.acquire(req), discard=self._release_async)
+        except AdmissionRejected as e:
+            v = e.verdict
+            headers = {"Retry-After": str(v.retry_after_s)} if v.retry_after_s else {}
+            raise ApiError(v.status, v.message, code=v.code, param="max_tokens" if v.status == 400 else None,
+                           headers=headers) from None
+
+    def _release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self.admission is not None:
+            self.admission.release(ticket)
+
+    async def _release_async(self, ticket: Ticket) -> None:
+        self._release(ticket)
+
+    async def _forward(self, request: Request, base: str, job: Job, lease: "Lease", admitted: float) -> Response:
+        rec, t0 = job.rec, job.t0
+        upstream_req = self.client.build_request(
+            "POST", f"{base}{rec.route}", content=json.dumps(job.body).encode(), headers=self._auth(rec.id))
+        job.flight.enter("engine")
+        try:
+            upstream = await race_disconnect(request, self.client.send(upstream_req, stream=True))
+        except ClientGone:
+            lease.end()
+            return self.recorder.client_gone(rec, t0)
+        except httpx.HTTPError as e:
+            lease.end()
+            raise self.recorder.failed(rec, t0, self._unreachable(e)) from None
+
+        headers = {"X-Request-Id": rec.id}
+        if job.decision is not None:
+            headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
+        if upstream.status_code != 200 or not job.stream:
+            job.flight.enter("reading")
+            try:
+                content = await read_or_leave(request, upstream)
+            except ClientGone:
+                return self.recorder.client_gone(rec, t0)
+            except httpx.HTTPError:
+                content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
+                                                "engine_error")).encode()
+                return self.recorder.finish(rec, t0, 502, content, headers)
+            finally:
+                lease.end()  # the engine is done with it, whatever the judging below still does
+            if job.judge and upstream.status_code == 200:
+                return await self.routing.judged(job, content, headers)
+            return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
+        job.flight.enter("streaming")
+
+        def first_token() -> None:
+            if self.admission is not None:
+                self.admission.observe_prefill(job.prompt_tokens, time.perf_counter() - admitted)
+
+        async def on_close() -> None:
+            # Runs however the response ends, even when the client left before the relay started
+            # (then the generator never ran and only this closes the upstream and frees the slot).
+            lease.end()
+            self.inflight.end(rec)  # normally gone already (the request log's entry); not when the send failed
+            await upstream.aclose()
+
+        return ClosingStream(
+            relay(upstream.aiter_raw(), upstream.aclose, rec, t0, strip_usage=not job.client_wants_usage,
+                  flight=job.flight, on_first=first_token,
+                  judge=self.routing.stream_judge(job) if job.judge else None),
+            on_close=on_close,
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(self.recorder.record_after_response, rec, t0),
+        )
+
+    def _auth(self, rid: str | None = None) -> dict[str, str]:
+        h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}
+        if rid:
+            h["X-Request-Id"] = rid
+        return h
+
+    def _unreachable(self, e: Exception) -> ApiError:
+        return retry_later(503, f"the engine did not answer ({type(e).__name__}); retry later", "engine_unreachable",
+                           self.settings.retry_after_s)
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request the local engine is answering: its admission slot and its place in the drain count."""
+
+    ticket: Ticket | None
+    _on_end: Callable[["Lease"], None]
+    ended: bool = False
+
+    def end(self) -> None:  # idempotent: every way a response can finish calls it
+        if not self.ended:
+            self.ended = True
+            self._on_end(self)

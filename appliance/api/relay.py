@@ -1,0 +1,114 @@
+"""Passing the engine's server-sent events to the client as they arrive (never buffered whole).
+
+For streams the gateway always asks vLLM for the final usage event, so the request log has token
+counts, and removes that event again when the client did not ask for it. Under the auto policy the
+stream's log-probabilities are gathered on the way (and hidden when the client did not ask for them),
+and the finished answer is judged before the client sees its end.
+
+Plain async generators over an iterable of byte chunks: testable without a server or an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from appliance.api import answers
+from appliance.api.errors import error_body
+from appliance.api.inflight import Flight
+from appliance.api.recording import completion_text, take_usage
+from appliance.store import RequestRecord
+from cascade import signals
+
+log = logging.getLogger(__name__)
+
+_USAGE_MARK = b'"usage":{'
+_EMPTY_CHOICES = b'"choices":[]'
+_DONE = b"data: [DONE]"
+
+
+@dataclass
+class StreamJudge:
+    hide: bool  # the client did not ask for log-probabilities: remove them from every chunk
+    after: Callable[[signals.TokenLogprobs], Awaitable[bytes]]  # what to add before [DONE], given the answer
+    acc: signals.StreamAccumulator = field(default_factory=signals.StreamAccumulator)
+
+
+async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None]], rec: RequestRecord, t0: float,
+                strip_usage: bool, flight: Flight, on_first: Callable[[], None] = lambda: None,
+                judge: StreamJudge | None = None) -> AsyncIterator[bytes]:
+    """The client's stream: whole events as they complete; `close` runs however it ends."""
+    buf = b""
+    texts: list[str] | None = [] if rec.prompt is not None else None
+    try:
+        async for chunk in chunks:
+            flight.received()
+            if rec.ttft_ms is None:
+                rec.ttft_ms = (time.perf_counter() - t0) * 1000
+                on_first()
+            buf += chunk
+            cut = buf.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            ready, buf = buf[: cut + 2], buf[cut + 2 :]
+            if _USAGE_MARK in ready or texts is not None or judge is not None:
+                ready = inspect_events(ready, rec, strip_usage, texts, judge)
+            if judge is not None and _DONE in ready:
+                # The answer is complete: judge it before the client sees the end of the stream.
+                head, tail = ready.split(_DONE, 1)
+                ready = head + await judge.after(judge.acc.result()) + _DONE + tail
+            if ready:
+                yield ready
+                flight.sent()
+        if buf:
+            yield buf
+    except httpx.HTTPError as e:
+        # The engine went away mid-answer: end the stream with an error event the
+        # OpenAI client raises on, instead of a silent truncation.
+        rec.status, rec.error_code = 502, "engine_stream_broken"
+        log.warning("stream %s broke off: %s", rec.id, type(e).__name__, extra={"REQUEST_ID": rec.id})
+        err = error_body("the engine stopped while streaming this answer; retry", "server_error", None,
+                         "engine_stream_broken")
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+    except asyncio.CancelledError:
+        rec.status, rec.error_code = 499, "client_disconnected"
+        raise
+    finally:
+        # Closing an unfinished upstream stream drops the connection: vLLM aborts the request.
+        await close()
+        if texts is not None:
+            rec.completion = "".join(texts)
+
+
+def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None,
+                   judge: StreamJudge | None = None) -> bytes:
+    """Whole events: usage taken into `rec`, text into `texts`, log-probabilities into the judge."""
+    kept: list[bytes] = []
+    for event in ready.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: {"):
+            is_usage = _USAGE_MARK in event
+            if is_usage or texts is not None or judge is not None:
+                with contextlib.suppress(ValueError):
+                    data = json.loads(event[6:])
+                    if is_usage:
+                        take_usage(rec, data.get("usage"))
+                    if texts is not None:
+                        texts.append(completion_text(data, delta=True))
+                    if judge is not None:
+                        judge.acc.add_chunk(data)
+                        if judge.hide:
+                            answers.hide_logprobs(data)
+                            event = b"data: " + json.dumps(data).encode()
+            if is_usage and strip_usage and _EMPTY_CHOICES in event:
+                continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept)

@@ -1,0 +1,75 @@
+"""The composition root: every part of the daemon built from the configuration and the plan.
+
+    config + plan -> request log, metrics -> engine supervisor -> admission, cascade -> gateway
+                  -> engine watch, remedies -> API app -> Daemon
+
+A test hands in its own supervisor (or gateway transport) here instead of swapping parts afterwards,
+so every part that holds one holds the same one.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from appliance.admission import AdmissionConfig, AdmissionGate
+from appliance.api.app import create_app
+from appliance.api.auth import keys_required
+from appliance.api.gateway import Gateway, GatewaySettings
+from appliance.config import Config
+from appliance.daemon import Daemon
+from appliance.engine.supervisor import EngineSupervisor
+from appliance.engine_watch import EngineWatch
+from appliance.escalation import build_cascade
+from appliance.keys import KeyVerifier
+from appliance.loop_monitor import LoopMonitor
+from appliance.metrics import Metrics
+from appliance.model_pin import ModelCheck
+from appliance.planning import SitePlan
+from appliance.remedies import Remedies
+from appliance.site_state import SiteState
+from appliance.status_view import doctor_report, status
+from appliance.store import RequestLog
+from appliance.systemd import Notifier
+from kernels.lock import KernelCheck
+from kvbudget.render import plan_dict
+
+
+def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
+          kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None,
+          transport: httpx.AsyncBaseTransport | None = None) -> Daemon:
+    state = SiteState(cfg, site_plan, model_check, kernel_check)
+    metrics = Metrics()
+    if model_check is not None:
+        metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)
+    if kernel_check is not None:
+        metrics.kernels_info.labels(kernel_check.digest or "", str(kernel_check.ok).lower()).set(1)
+    request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
+    supervisor = supervisor or EngineSupervisor(cfg, site_plan.plan.vllm_args)
+    admission = None
+    if cfg.admission.enabled:
+        admission = AdmissionGate(AdmissionConfig.from_section(cfg.admission, site_plan.plan.max_num_seqs))
+        admission.on_decision = metrics.observe_decision
+    cascade = build_cascade(cfg, site_plan.plan.engine.max_model_len, metrics)
+    gateway = Gateway(
+        supervisor,
+        GatewaySettings(served_name=cfg.served_name, max_body_bytes=int(cfg.server.max_body_bytes),
+                        retry_after_s=cfg.server.retry_after_s, upstream_timeout_s=cfg.server.upstream_timeout_s,
+                        default_class=cfg.admission.anonymous_class),
+        request_log, metrics, admission, cascade, transport=transport)
+    # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
+    watch = EngineWatch(gateway.client, lambda: supervisor.base_url if supervisor.ready else None,
+                        on_error=metrics.engine_scrape_errors.inc)
+    metrics.attach_engine(lambda: watch.latest_text)
+    if admission is not None:
+        gate = admission
+        watch.add_listener(lambda s: gate.observe_kv_usage(s.kv_usage))
+    required = keys_required(cfg.auth.require_keys, cfg.server.host)
+    verifier = KeyVerifier(cfg.database_path)
+    app = create_app(gateway, plan=lambda: plan_dict(state.site_plan.plan), verifier=verifier,
+                     keys_required=required, status=lambda: status(state, supervisor, cascade),
+                     doctor=lambda: doctor_report(state, supervisor, watch))
+    return Daemon(state=state, request_log=request_log, metrics=metrics, supervisor=supervisor, admission=admission,
+                  cascade=cascade, gateway=gateway, engine_watch=watch,
+                  remedies=Remedies(state, supervisor, watch, gateway, admission, metrics), verifier=verifier,
+                  keys_required=required, app=app, notifier=Notifier(),
+                  loop_monitor=LoopMonitor(on_stall=metrics.loop_stalls.observe))

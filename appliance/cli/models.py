@@ -1,0 +1,87 @@
+"""appliance model install-default|pin|verify: model folders and their pins."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from appliance.cli.common import EXIT_FAILED, CliError, config_option, load_config
+
+
+@click.group("model")
+def model_group() -> None:
+    """Model folders: the embedded default, pinning and verifying."""
+
+
+@model_group.command("install-default")
+@click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Target folder (default: $APPLIANCE_MODEL_CACHE or ~/.cache/appliance/models/SmolLM2-135M-Instruct).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--force", is_flag=True, help="Convert again even if the folder exists.")
+def model_install_default(dest: Path | None, dtype: str, force: bool) -> None:
+    """Convert the shipped SmolLM2-135M-Instruct GGUF to an HF folder once, and print its path."""
+    from appliance.default_model import DefaultModelError, default_model_dir, install_default, is_converted
+
+    target = dest or default_model_dir()
+    if is_converted(target) and not force:
+        click.echo(str(target))
+        return
+    click.echo(f"converting the embedded default model into {target} (once; about a minute)...", err=True)
+    try:
+        path = install_default(target, dtype=dtype, force=force)
+    except DefaultModelError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
+    click.echo(str(path))
+
+
+def _model_folder(config_path: Path | None, model: Path | None) -> tuple[Path, str | None]:
+    if model is not None:
+        folder, pinned = model, None
+    else:
+        cfg = load_config(config_path)
+        folder, pinned = cfg.model.path, cfg.model.digest or None
+    if not folder.is_dir():
+        raise CliError(f"{folder} is not a folder")
+    return folder, pinned
+
+
+@model_group.command("pin")
+@config_option
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Model folder (default: model.path from the configuration).")
+def model_pin_cmd(config_path: Path | None, model: Path | None) -> None:
+    """Write the folder's manifest (every file's size and sha256) into it and print its digest."""
+    from appliance import model_pin
+
+    folder, _ = _model_folder(config_path, model)
+    with model_pin.progress_bar(folder, "hashing model") as bar:
+        manifest = model_pin.pin(folder, bar.update)
+    click.echo(f"pinned {len(manifest.files)} files, {manifest.total_bytes:,} bytes; "
+               f"set model.digest = \"{manifest.digest}\" to pin it fleet-wide", err=True)
+    click.echo(manifest.digest)
+
+
+@model_group.command("verify")
+@config_option
+@click.option("--model", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--digest", default=None, help="Expected digest (default: model.digest, else the folder's manifest).")
+def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str | None) -> None:
+    """Check the model folder against its pin; exit 1 naming each changed, missing or unexpected file."""
+    from appliance import model_pin
+
+    folder, pinned = _model_folder(config_path, model)
+    try:
+        with model_pin.progress_bar(folder, "verifying model") as bar:
+            result = model_pin.check(folder, digest or pinned, bar.update)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot read {e.filename}: {e.strerror}") from None
+    if result.pinned is None:
+        raise CliError(result.describe())
+    click.echo(result.describe())
+    for d in result.differences:
+        click.echo(f"  {d.problem:12} {d.path}")
+    sys.exit(0 if result.ok else EXIT_FAILED)

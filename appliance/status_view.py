@@ -1,0 +1,53 @@
+"""GET /v1/appliance/status and /v1/appliance/doctor: what a fleet operator compares across sites."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from appliance import __version__, doctor
+from appliance.engine.supervisor import EngineSupervisor
+from appliance.engine_watch import EngineWatch
+from appliance.site_state import SiteState
+from cascade.service import Cascade
+
+
+def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | None) -> dict[str, Any]:
+    """Version, engine state, model digest and pin, plan summary, devices, kernels, cascade."""
+    cfg, mc, kc, p = state.cfg, state.model_check, state.kernel_check, state.site_plan.plan
+    return {
+        "site": cfg.site.name,
+        "version": __version__,
+        "engine": supervisor.status.as_dict(),
+        "model": {
+            "served_name": cfg.served_name,
+            "path": str(cfg.model.path),
+            "digest": mc.digest if mc else None,
+            "pinned": mc.pinned if mc else None,
+            "matches_pin": mc.ok if mc and mc.pinned else None,
+        },
+        "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
+                 "max_num_seqs": p.max_num_seqs,
+                 "speculative": {"method": p.speculative.method,
+                                 "reason": state.speculation_off or p.speculative.reason},
+                 "kv_tokens": p.capacity.tokens_reported if p.capacity else None,
+                 "targets_met": p.targets_met},
+        "devices": state.site_plan.discovery.as_dict(),
+        "kernels": {"lock": kc.lock_path, "digest": kc.digest, "matches_lock": kc.ok,
+                    "mismatches": [str(m).strip() for m in kc.mismatches[:50]], "error": kc.error}
+        if kc is not None else {"lock": None},
+        "cascade": cascade.status() if cascade is not None else {"configured": False},
+    }
+
+
+async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch) -> dict[str, Any]:
+    """The setup checks (the model hashed at start, not again) and the recipes over the last half hour
+    of engine samples."""
+    setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
+                                    state.kernel_check)
+    st = supervisor.status
+    p = state.site_plan.plan
+    live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
+            *doctor.recipes(watch.since(doctor.LIVE_WINDOW_S), capacity=p.max_num_seqs,
+                            spec_method=p.speculative.method, workload=state.cfg.targets.workload)]
+    return doctor.as_dict([*setup, *live])
