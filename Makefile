@@ -4,7 +4,7 @@ CONFIG ?= dev/appliance.toml
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup test-tools model run test test-unit bench bench-deps clean
+.PHONY: setup test-tools model run test test-unit lint bench bench-deps clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,13 @@ run: model
 	$(VENV)/bin/appliance serve --config $(CONFIG)
 
 # pytest's own exit status goes through unchanged: 5 ("no tests ran") fails the target.
-test: model test-tools
+test: model test-tools lint
 	$(PY) -m pytest
+
+# ruff and mypy, configured in pyproject.toml (rules the code meets; tightened one at a time).
+lint: setup
+	$(VENV)/bin/ruff check appliance kvbudget cascade kernels tests bench
+	$(VENV)/bin/mypy
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

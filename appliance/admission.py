@@ -61,7 +61,7 @@ class AdmissionConfig:
         return self.reserved_slots(cls) + self.shared_slots
 
     @classmethod
-    def from_section(cls, section: Any, capacity: int) -> "AdmissionConfig":
+    def from_section(cls, section: Any, capacity: int) -> AdmissionConfig:
         """From the configuration's [admission] section; capacity from it or else the plan."""
         return cls(
             capacity=section.capacity or capacity,
@@ -181,7 +181,7 @@ class AdmissionGate:
         try:
             # shield: a timeout or a cancelled caller must not cancel a slot handed over at the same moment
             return await asyncio.wait_for(asyncio.shield(fut), timeout=max(budget, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if fut.done() and not fut.cancelled():
                 return fut.result()  # a slot arrived at the deadline: keep it
             self._forget(req.cls, fut)

@@ -16,11 +16,6 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from appliance.net import is_loopback
-from cascade.policy import Escalate, Mode, PriorityClass
-from kvbudget.accounting import KvDtype
-from kvbudget.planner import SpeculativeTarget, Workload
-
 from pydantic import (
     BaseModel,
     ByteSize,
@@ -30,6 +25,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from appliance.net import is_loopback
+from cascade.policy import Escalate, Mode, PriorityClass
+from kvbudget.accounting import KvDtype
+from kvbudget.planner import SpeculativeTarget, Workload
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
 CONFIG_ENV = "APPLIANCE_CONFIG"
@@ -156,7 +156,7 @@ class RegionalSection(_Section):
     max_attempts: Annotated[int, Field(ge=1)] = 10
 
     @model_validator(mode="after")
-    def _url_when_enabled(self) -> "RegionalSection":
+    def _url_when_enabled(self) -> RegionalSection:
         if self.enabled:
             if not self.base_url.startswith(("http://", "https://")):
                 raise ValueError("base_url must be an http:// or https:// URL when enabled = true")
@@ -211,7 +211,7 @@ class ClassSection(_Section):
     reserved_share: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
 
-def _default_classes() -> dict[str, ClassSection]:
+def _default_classes() -> dict[PriorityClass, ClassSection]:
     return {
         "gold": ClassSection(ttft_target_s=2.0, queue_limit=64, reserved_share=0.25),
         "silver": ClassSection(ttft_target_s=5.0, queue_limit=64),
@@ -242,7 +242,7 @@ class AdmissionSection(_Section):
         return merged
 
     @model_validator(mode="after")
-    def _shares_fit(self) -> "AdmissionSection":
+    def _shares_fit(self) -> AdmissionSection:
         if sum(c.reserved_share for c in self.classes.values()) >= 1:
             raise ValueError("the classes' reserved_share values must add up to less than 1")
         if self.anonymous_class not in self.classes:
@@ -289,7 +289,7 @@ class Config(_Section):
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 
     @model_validator(mode="after")
-    def _keys_off_loopback(self) -> "Config":
+    def _keys_off_loopback(self) -> Config:
         if self.auth.require_keys == "never" and not is_loopback(self.server.host):
             raise ValueError(
                 f"auth.require_keys = \"never\" is only allowed on loopback; server.host is {self.server.host}"

@@ -54,7 +54,7 @@ class _ApiServer(uvicorn.Server):
     """
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self):
         yield
 
 

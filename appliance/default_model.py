@@ -89,7 +89,7 @@ def install_default(dest: Path | None = None, dtype: str = "float32", force: boo
         )
         # The weights are dense now; drop the GGUF marker so the folder saves (and loads in
         # vLLM) as an ordinary checkpoint rather than a quantized one.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as a module attribute
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp), safe_serialization=True)

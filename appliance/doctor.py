@@ -21,9 +21,9 @@ from typing import Literal
 import httpx
 
 from appliance.config import Config
-from appliance.startup import runtime_problems
 from appliance.engine_watch import EngineSample, Window
 from appliance.model_pin import ModelCheck
+from appliance.startup import runtime_problems
 from kernels import lock as kernel_lock
 from kernels.lock import KernelCheck
 from kvbudget.gpu import Discovery
@@ -52,9 +52,10 @@ class Finding:
 
 
 def worst(findings: Sequence[Finding]) -> Status:
-    for s in ("fail", "warn", "ok"):
+    order: tuple[Status, ...] = ("fail", "warn", "ok")
+    for s in order:
         if any(f.status == s for f in findings):
-            return s  # type: ignore[return-value]
+            return s
     return "skip"
 
 

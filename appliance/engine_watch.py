@@ -87,7 +87,7 @@ class Window:
     spec_acceptance: float | None  # accepted / drafted tokens
 
     @classmethod
-    def between(cls, samples: list[EngineSample]) -> "Window | None":
+    def between(cls, samples: list[EngineSample]) -> Window | None:
         if len(samples) < 2:
             return None
         a, b = samples[0], samples[-1]

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import sqlite_utils
+
 from appliance.store import open_db
 from cascade.policy import PRIORITY_CLASSES
 
@@ -69,7 +71,7 @@ def create(db_path: Path, name: str, tenant: str = "default", priority_class: st
     db = open_db(db_path)
     try:
         with db.atomic():
-            db["api_keys"].insert({"id": key.id, "name": key.name, "tenant": key.tenant,
+            db.table("api_keys").insert({"id": key.id, "name": key.name, "tenant": key.tenant,
                                    "priority_class": key.priority_class, "admin": int(admin),
                                    "secret_sha256": _hash(secret), "created": key.created, "revoked": None})
     finally:
@@ -93,7 +95,7 @@ def revoke(db_path: Path, key_id: str) -> ApiKey:
             raise KeyProblem(f"no key with id {key_id!r} (see `appliance keys list`)")
         if rows[0]["revoked"] is None:
             with db.atomic():
-                db["api_keys"].update(key_id, {"revoked": time.time()})
+                db.table("api_keys").update(key_id, {"revoked": time.time()})
         return _row_to_key(next(db["api_keys"].rows_where("id = ?", [key_id])))
     finally:
         db.close()
@@ -111,7 +113,7 @@ class KeyVerifier:
         self.ttl_s = ttl_s
         self._cache: dict[str, tuple[float, ApiKey | None, str | None]] = {}
         self._lock = threading.Lock()
-        self._db = None
+        self._db: sqlite_utils.Database | None = None
 
     def verify(self, presented: str) -> ApiKey | None:
         parsed = parse(presented)

@@ -138,9 +138,10 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
             answered = list(plans)
     except PlanError as e:
         raise PlanningError(str(e)) from None
-    plan = answered[0]
-    if isinstance(plan, PlanError):
-        raise PlanningError(str(plan))
+    first = answered[0]
+    if isinstance(first, PlanError):
+        raise PlanningError(str(first))
+    plan = first
     if not plan.fits:
         f = plan.findings[0]
         raise PlanningError(f"the model does not fit: {f.achieved}; " + "; ".join(f.remedies))

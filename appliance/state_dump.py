@@ -26,7 +26,7 @@ def render(requests: Iterable[dict[str, Any]], tasks: Iterable[asyncio.Task[Any]
            frames: dict[int, Any] | None = None) -> str:
     requests = list(requests)
     tasks = list(asyncio.all_tasks() if tasks is None else tasks)
-    frames = sys._current_frames() if frames is None else frames  # noqa: SLF001 (the documented way)
+    frames = sys._current_frames() if frames is None else frames
     out = [f"{HEADER}: {len(requests)} request(s) in flight, {len(tasks)} task(s), {len(frames)} thread(s)"]
     out += ["request " + json.dumps(r, sort_keys=True) for r in requests]
     for task in sorted(tasks, key=lambda t: t.get_name()):
@@ -39,7 +39,7 @@ def render(requests: Iterable[dict[str, Any]], tasks: Iterable[asyncio.Task[Any]
 
 def thread_stacks(frames: dict[int, Any] | None = None, skip: int | None = None) -> list[str]:
     """Each thread's name, what the kernel says of it, and its innermost frames (but the thread `skip`)."""
-    frames = sys._current_frames() if frames is None else frames  # noqa: SLF001 (the documented way)
+    frames = sys._current_frames() if frames is None else frames
     threads = {t.ident: t for t in threading.enumerate()}
     out = []
     for ident, frame in frames.items():

@@ -58,7 +58,7 @@ def migrate(db: sqlite_utils.Database) -> None:
         return
     with db.conn:
         if version < 1:
-            db["requests"].create(
+            db.table("requests").create(
                 {
                     "id": str,
                     "ts": float,
@@ -77,9 +77,9 @@ def migrate(db: sqlite_utils.Database) -> None:
                 pk="id",
                 if_not_exists=True,
             )
-            db["requests"].create_index(["ts"], if_not_exists=True)
+            db.table("requests").create_index(["ts"], if_not_exists=True)
         if version < 2:
-            db["api_keys"].create(
+            db.table("api_keys").create(
                 {
                     "id": str,
                     "name": str,
@@ -136,7 +136,7 @@ class RequestLog:
             self._ready.set()
             return
         self._ready.set()
-        table = db["requests"]
+        table = db.table("requests")
         stop = False
         while not stop:
             batch = [self._q.get()]

@@ -26,7 +26,7 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 2e6 if self.enabled and usec and usec.isdigit() and mine else None
         self._notify = None
         if self.enabled:
-            from systemd import daemon  # systemd-python; imported only where systemd is listening
+            from systemd import daemon  # type: ignore[attr-defined]  # systemd-python (C extension, untyped); imported only where systemd is listening
 
             self._notify = daemon.notify
 

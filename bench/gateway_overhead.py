@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support import start_appliance  # noqa: E402
+from tests.support import start_appliance
 
 PROMPTS = ["Hello!", "Name a colour.", "What is 2+2?", "Say something nice.", "Capital of Italy?"]
 

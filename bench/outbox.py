@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cascade.forwarder import Forwarder  # noqa: E402
-from cascade.outbox import Outbox  # noqa: E402
-from cascade.regional import RegionalClient, RegionalSettings  # noqa: E402
-from tests.regional import FaultInjector, RegionalRecorder, marker  # noqa: E402
+from cascade.forwarder import Forwarder
+from cascade.outbox import Outbox
+from cascade.regional import RegionalClient, RegionalSettings
+from tests.regional import FaultInjector, RegionalRecorder, marker
 
 
 async def main(args: argparse.Namespace) -> None:

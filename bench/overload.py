@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance import keys  # noqa: E402
-from tests.support import RunningAppliance, start_appliance  # noqa: E402
+from appliance import keys
+from tests.support import RunningAppliance, start_appliance
 
 CLASSES = ("gold", "silver", "bronze")
 
@@ -165,7 +165,7 @@ async def main(args: argparse.Namespace) -> None:
         for app, _ in apps.values():
             app.wait_ready(900)
         caps = {}
-        for tag, (app, secrets) in apps.items():  # warm each engine, then measure it on its own port
+        for tag, (app, _secrets) in apps.items():  # warm each engine, then measure it on its own port
             await capacity_rps(app, args.capacity, args.max_tokens, 3)
             caps[tag] = await capacity_rps(app, args.capacity, args.max_tokens, args.calibrate)
         rate = args.load * sum(caps.values()) / len(caps)

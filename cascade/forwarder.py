@@ -53,7 +53,7 @@ class Forwarder:
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def step(self) -> bool:

@@ -36,7 +36,7 @@ from cascade.policy import PRIORITY_CLASSES
 
 Status = Literal["queued", "sending", "done", "failed", "expired"]
 STATUSES: tuple[Status, ...] = get_args(Status)
-PRIORITY = {cls: rank for rank, cls in enumerate(PRIORITY_CLASSES)}
+PRIORITY: dict[str, int] = {cls: rank for rank, cls in enumerate(PRIORITY_CLASSES)}  # unknown: silver's
 PENDING: tuple[Status, ...] = ("queued", "sending")
 FINISHED: tuple[Status, ...] = tuple(s for s in STATUSES if s not in PENDING)
 
@@ -100,7 +100,7 @@ class Outbox:
         self._create()
 
     def _create(self) -> None:
-        t = self.db["escalations"]
+        t = self.db.table("escalations")
         if not t.exists():
             t.create({"id": str, "created": float, "status": str, "route": str, "request": str, "priority": int,
                       "tenant": str, "key_id": str, "reason": str, "attempts": int, "next_attempt": float,
@@ -124,7 +124,7 @@ class Outbox:
             if self._pending() >= self.max_pending:
                 raise OutboxFull(f"the escalation outbox holds {self.max_pending} waiting escalations "
                                  "(policy.outbox_max_pending)")
-            self.db["escalations"].insert(row)
+            self.db.table("escalations").insert(row)
         return _row(row)
 
     def claim(self, limit: int) -> list[Escalation]:

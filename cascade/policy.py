@@ -110,7 +110,7 @@ def parse_headers(headers: dict[str, str]) -> tuple[Escalate | None, Mode | None
     data = lower.get(DATA_HEADER)
     if data is not None and data not in ("local-only", "any"):
         raise PolicyError(f"X-Appliance-Data must be local-only or any (got {data!r})", "X-Appliance-Data")
-    return escalate, mode, data == "local-only"  # type: ignore[return-value]
+    return escalate, mode, data == "local-only"
 
 
 def decide(cfg: PolicyConfig, req: RequestFacts) -> Decision:

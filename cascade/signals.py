@@ -21,8 +21,9 @@ Inputs come from the OpenAI response shapes vLLM returns: chat `choices[i].logpr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 DEFAULT_QUANTILE = 0.1
 

@@ -45,7 +45,7 @@ class Manifest:
                            "files": [f.__dict__ for f in self.files]}, indent=1) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
         if data.get("format") != FORMAT:
             raise ValueError(f"not an {FORMAT} manifest (format {data.get('format')!r})")

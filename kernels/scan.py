@@ -48,7 +48,7 @@ def scan(paths: list[str] | None = None, hash_files: bool = True) -> dict:
         name = dist.metadata["Name"]
         if not name or not ENGINE_DISTRIBUTIONS.match(_norm(name)) or _norm(name) in packages:
             continue
-        root = Path(dist.locate_file(""))
+        root = Path(str(dist.locate_file("")))
         listed = {str(rel) for rel in dist.files or () if NATIVE.search(rel.name)}
         # Native files dropped into the package's folders without being in its RECORD count too:
         # they are loaded all the same.

@@ -208,7 +208,7 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
         else:
             layer_specs.append(LayerSpec(kind, page, block))
     # EAGLE/MTP draft attention layers join the same pool as full-attention layers.
-    draft_kind = "mla" if shape.mla_latent_dim else "full"
+    draft_kind: LayerKind = "mla" if shape.mla_latent_dim else "full"
     layer_specs += [LayerSpec(draft_kind, page, block)] * e.draft_layers
 
     # get_kv_cache_groups: one group when every layer needs the same slots, else
@@ -219,7 +219,7 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
         buckets.setdefault(key, []).append(spec)
     if len(buckets) == 1:
         (only,) = buckets.values()
-        groups = (Group(only[0].kind, len(only), only[0]),)
+        groups: tuple[Group, ...] = (Group(only[0].kind, len(only), only[0]),)
         group_size = len(only)
     else:
         counts = [len(v) for v in buckets.values()]

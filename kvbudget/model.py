@@ -10,12 +10,12 @@ import json
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 # Cache-holding modules, in layer order: attention (full, sliding window, chunked local, MLA) keeps
 # per-token KV; linear (Gated DeltaNet) and mamba (Mamba2) keep a fixed recurrent state per sequence.
 LayerKind = Literal["full", "sliding", "chunked", "mla", "linear", "mamba"]
-STATE_KINDS = ("linear", "mamba")
+STATE_KINDS: tuple[LayerKind, ...] = ("linear", "mamba")
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "fp32": 4,
@@ -183,7 +183,7 @@ LAYER_TYPE_NAMES: dict[str, str] = {
 }
 
 
-def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[LayerKind, ...]:
+def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[str, ...]:  # each a LayerKind
     """The cache-holding modules in layer order, the way the model's vLLM class builds them."""
     mla = cfg.get("kv_lora_rank") is not None
     attn: LayerKind = "mla" if mla else "full"
@@ -198,16 +198,16 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[LayerKind, ...]:
                 raise ModelError(f"unsupported layer type {t!r} in layer_types (known: {', '.join(LAYER_TYPE_NAMES)})")
             kind = LAYER_TYPE_NAMES[t]
             out.append(attn if kind == "attn" else kind)
-        return tuple(out)  # type: ignore[arg-type]
+        return tuple(out)
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str) and pattern:
         # Nemotron-H: M is a Mamba2 mixer, * an attention layer, - and E are MLP / MoE layers (no cache).
         if len(pattern) != n:
             raise ModelError(f"config.json hybrid_override_pattern has {len(pattern)} entries for {n} layers")
-        return tuple("mamba" if c == "M" else attn for c in pattern if c in "M*")  # type: ignore[misc]
+        return tuple("mamba" if c == "M" else attn for c in pattern if c in "M*")
     if model_type == "falcon_h1":
         # Every Falcon-H1 layer runs attention and a Mamba2 mixer side by side: both keep a cache.
-        return (attn,) * n + ("mamba",) * n  # type: ignore[return-value]
+        return (attn,) * n + ("mamba",) * n
     interval = cfg.get("full_attention_interval")
     if isinstance(interval, int) and interval > 0 and cfg.get("linear_num_value_heads"):
         # Qwen3-Next style: every interval-th layer is full attention, the rest linear.
@@ -226,9 +226,9 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[LayerKind, ...]:
     if window:
         if model_type == "gemma2":  # alternating, starting with a sliding layer
             return tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
-        every = cfg.get("sliding_window_pattern")
-        if isinstance(every, int) and every > 0:  # Gemma-3, Cohere2: every `every`-th layer is global
-            return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(n))
+        period = cfg.get("sliding_window_pattern")
+        if isinstance(period, int) and period > 0:  # Gemma-3, Cohere2: every `period`-th layer is global
+            return tuple("full" if (i + 1) % period == 0 else "sliding" for i in range(n))
         if "use_sliding_window" not in cfg:  # Mistral style: a window means every layer uses it
             return ("sliding",) * n
         if cfg["use_sliding_window"]:  # Qwen2 style: layers from max_window_layers on
@@ -295,7 +295,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     if not isinstance(kv_heads, int) or kv_heads <= 0:
         raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
     head_dim = t.get("head_dim") or t.get("attention_head_dim") or hidden // heads
-    kinds = _layer_kinds(t, n_layers)
+    kinds = cast(tuple[LayerKind, ...], _layer_kinds(t, n_layers))
     dtype_bytes = _dtype_bytes(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype"))
 
     mla_dim = None

@@ -64,7 +64,7 @@ class Platform:
     def block_size(self) -> int:
         return CPU_DEFAULT_BLOCK_SIZE if self.kind == "cpu" else GPU_DEFAULT_BLOCK_SIZE
 
-    def batched_tokens(self, targets: "Targets") -> int:
+    def batched_tokens(self, targets: Targets) -> int:
         return targets.max_num_batched_tokens or (2048 if self.kind == "cpu" else 8192)
 
 
@@ -405,8 +405,8 @@ def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int,
         args += ["--tensor-parallel-size", str(eng.tp)]
     if eng.dcp > 1:
         args += ["--decode-context-parallel-size", str(eng.dcp)]
-    if spec.config_json():
-        args += ["--speculative-config", spec.config_json()]
+    if (spec_json := spec.config_json()) is not None:
+        args += ["--speculative-config", spec_json]
     return args
 
 

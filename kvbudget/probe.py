@@ -11,9 +11,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 PROBE_SCRIPT = Path(__file__).with_name("vllm_probe.py")
 PROBE_TIMEOUT_S = 300

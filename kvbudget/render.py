@@ -61,13 +61,13 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                      "groups": [g.__dict__ for g in v.groups], "num_blocks": v.num_blocks,
                      "blocks_per_request": v.blocks_per_request, "max_concurrency": v.max_concurrency,
                      "kv_tokens": v.kv_tokens, "probe_seconds": v.seconds, "notes": list(v.notes)}
-    if p.disagreements:
+    if p.disagreements and p.model_figures is not None and p.layout is not None:
         d["disagreements"] = list(p.disagreements)
-        m = p.model_figures
+        ours = p.model_figures
         d["kvbudget_model"] = {"block_size": p.layout.block_size, "groups": len(p.layout.groups),
-                               "page_bytes": p.layout.page_bytes, "num_blocks": m.num_blocks,
-                               "blocks_per_request": m.blocks_per_request, "max_concurrency": m.max_concurrency,
-                               "kv_tokens_reported": m.tokens_reported}
+                               "page_bytes": p.layout.page_bytes, "num_blocks": ours.num_blocks,
+                               "blocks_per_request": ours.blocks_per_request, "max_concurrency": ours.max_concurrency,
+                               "kv_tokens_reported": ours.tokens_reported}
     return d
 
 

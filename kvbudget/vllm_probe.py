@@ -64,12 +64,12 @@ VLLM_OP_NAMESPACES = {"_C", "_moe_C", "_C_cache_ops", "_C_custom_ar", "_flashmla
 class _Anything:
     """Stands in for any attribute of an emulated extension: callable, indexable, never used for real."""
 
-    def __getattr__(self, name: str) -> "_Anything":
+    def __getattr__(self, name: str) -> _Anything:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return _Anything()
 
-    def __call__(self, *a: Any, **k: Any) -> "_Anything":
+    def __call__(self, *a: Any, **k: Any) -> _Anything:
         return _Anything()
 
     # Used in annotations evaluated at import time (`flashinfer.X | None`).
@@ -78,7 +78,7 @@ class _Anything:
 
     __ror__ = __or__
 
-    def __getitem__(self, item: Any) -> "_Anything":
+    def __getitem__(self, item: Any) -> _Anything:
         return _Anything()
 
     def __mro_entries__(self, bases: tuple) -> tuple:

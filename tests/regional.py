@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response

@@ -227,7 +227,7 @@ def start_appliance(directory: Path, env: dict[str, str] | None = None, **config
 
     raw = tomllib.loads(cfg_path.read_text())
     log_path = directory / "appliance.log"
-    log_file = open(log_path, "wb")
+    log_file = open(log_path, "wb")  # noqa: SIM115 (the child writes to it until stop() closes it)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg_path)],

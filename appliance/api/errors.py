@@ -8,6 +8,8 @@ and the status an OpenAI client expects, never a traceback.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,7 +94,7 @@ def install_handlers(app: FastAPI) -> None:
         return ApiError(500, "internal error in the appliance; see its log", code="internal_error").response()
 
 
-def validation_error(errors: list[dict]) -> ApiError:
+def validation_error(errors: Sequence[Any]) -> ApiError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None

@@ -96,13 +96,13 @@ class Gateway:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return len(self._local)
 
-    def lease(self, ticket: Ticket | None) -> "Lease":
+    def lease(self, ticket: Ticket | None) -> Lease:
         lease = Lease(ticket, self._end_lease)
         self._local.add(lease)
         self._idle.clear()
         return lease
 
-    def _end_lease(self, lease: "Lease") -> None:
+    def _end_lease(self, lease: Lease) -> None:
         self._local.discard(lease)
         self._release(lease.ticket)
         if not self._local:
@@ -226,7 +226,7 @@ class Gateway:
     async def _release_async(self, ticket: Ticket) -> None:
         self._release(ticket)
 
-    async def _forward(self, request: Request, base: str, job: Job, lease: "Lease", admitted: float) -> Response:
+    async def _forward(self, request: Request, base: str, job: Job, lease: Lease, admitted: float) -> Response:
         rec, t0 = job.rec, job.t0
         upstream_req = self.client.build_request(
             "POST", f"{base}{rec.route}", content=json.dumps(job.body).encode(), headers=self._auth(rec.id))
@@ -297,7 +297,7 @@ class Lease:
     """A request the local engine is answering: its admission slot and its place in the drain count."""
 
     ticket: Ticket | None
-    _on_end: Callable[["Lease"], None]
+    _on_end: Callable[[Lease], None]
     ended: bool = False
 
     def end(self) -> None:  # idempotent: every way a response can finish calls it

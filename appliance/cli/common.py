@@ -18,7 +18,7 @@ class CliError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class; one per error here
 
     def show(self, file: Any = None) -> None:
         for line in self.format_message().splitlines():

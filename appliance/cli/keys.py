@@ -53,7 +53,7 @@ def keys_list(config_path: Path | None, as_json: bool) -> None:
         return
     click.echo(f"{'id':14} {'name':20} {'tenant':12} {'class':7} {'admin':5} state")
     for k in rows:
-        click.echo(f"{k.id:14} {k.name[:20]:20} {k.tenant[:12]:12} {k.priority_class:7} {str(k.admin):5} "
+        click.echo(f"{k.id:14} {k.name[:20]:20} {k.tenant[:12]:12} {k.priority_class:7} {k.admin!s:5} "
                    f"{'active' if k.active else 'revoked'}")
 
 

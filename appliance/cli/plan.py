@@ -81,7 +81,7 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
                 gpu = find_profile(gpu_name)
             elif gpu_memory:
                 major, _, minor = gpu_cc.partition(".")
-                gpu = custom_profile(size(gpu_memory), (int(major), int(minor or 0)))
+                gpu = custom_profile(size(gpu_memory) or 0, (int(major), int(minor or 0)))
             else:
                 found = discover()
                 if not found.found:

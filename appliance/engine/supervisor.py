@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 
 from appliance.config import Config
-from kernels.backend import BackendTracker
 from appliance.engine.args import EngineLaunch, build_launch, describe
 from appliance.engine.guard import EXIT_LINE_PREFIX
+from kernels.backend import BackendTracker
 
 log = logging.getLogger("appliance.engine")
 engine_log = logging.getLogger("appliance.engine.vllm")
@@ -310,7 +310,7 @@ class EngineSupervisor:
     async def _drain(self, pump: asyncio.Task[None]) -> None:
         try:
             await asyncio.wait_for(pump, timeout=5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("engine log pipe still open 5s after the engine exited; not waiting for it")
 
     async def _wait_healthy(self, base_url: str) -> bool:
@@ -360,7 +360,7 @@ class EngineSupervisor:
             proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(_exit_status(proc), timeout=self.cfg.engine.stop_grace_s + 5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("engine guard did not stop; killing the engine's process group")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

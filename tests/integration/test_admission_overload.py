@@ -130,7 +130,7 @@ class _Reader(threading.Thread):
                     if self.stop.is_set():
                         return  # leaving the block closes the stream: the client went away
                 self.ended_by_itself = True
-        except Exception as e:  # noqa: BLE001 (kept for the test to report; abandon() causes one on purpose)
+        except Exception as e:
             self.failure = e
 
     def abandon(self) -> None:
@@ -180,8 +180,8 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
     app, secret = small
     explain = partial(snapshot, app)  # what the gateway was doing, for a failure message
     pool = ThreadPoolExecutor(4)
-    queued = lambda cls: _metric(app, rf'^appliance_admission_queue_depth\{{class="{cls}"\}} (\S+)$')  # noqa: E731
-    in_flight = lambda cls: _metric(app, rf'^appliance_admission_in_flight\{{class="{cls}"\}} (\S+)$')  # noqa: E731
+    queued = lambda cls: _metric(app, rf'^appliance_admission_queue_depth\{{class="{cls}"\}} (\S+)$')
+    in_flight = lambda cls: _metric(app, rf'^appliance_admission_in_flight\{{class="{cls}"\}} (\S+)$')
     wait_for(lambda: in_flight("silver") + in_flight("gold") == 0, 60, what="an idle gate", explain=explain)
 
     # Fill both slots: silver takes the shared slot, gold its reserved one.
@@ -233,8 +233,8 @@ def test_max_tokens_over_the_class_limit_is_400(small):
 def test_a_client_leaving_the_queue_gives_its_place_up(small):
     app, secret = small
     explain = partial(snapshot, app)
-    queued = lambda: _metric(app, r'^appliance_admission_queue_depth\{class="silver"\} (\S+)$')  # noqa: E731
-    in_flight = lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$')  # noqa: E731
+    queued = lambda: _metric(app, r'^appliance_admission_queue_depth\{class="silver"\} (\S+)$')
+    in_flight = lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$')
     wait_for(lambda: in_flight() == 0, 60, what="an idle gate", explain=explain)
     with _holding_a_slot(app, secret["silver"]):  # the only slot silver may use
         wait_for(lambda: in_flight() == 1, 60, what="silver to hold the shared slot", explain=explain)
@@ -254,7 +254,7 @@ def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(smal
     (here, until its client leaves), and only then does the engine go.
     """
     app, secret = small
-    status = lambda: loopback.get(f"{app.url}/v1/appliance/status", timeout=10).json()  # noqa: E731
+    status = lambda: loopback.get(f"{app.url}/v1/appliance/status", timeout=10).json()
     before = status()
     assert before["plan"]["speculative"]["method"] == "ngram"
     assert before["engine"]["restarts"] == 0

@@ -50,7 +50,7 @@ def test_a_wedged_event_loop_stops_the_watchdog_pings_until_it_turns_again(tmp_p
     monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
     cfg = _config(tmp_path)
     daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))
-    pings = lambda: [t for t, m in zip(listener.times, listener.messages) if m == "WATCHDOG=1"]  # noqa: E731
+    pings = lambda: [t for t, m in zip(listener.times, listener.messages) if m == "WATCHDOG=1"]
     marks: dict[str, float] = {}
 
     def drive(loop: asyncio.AbstractEventLoop) -> None:

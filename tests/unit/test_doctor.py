@@ -28,7 +28,6 @@ from kvbudget.gpu import Discovery
 from tests.support import free_port, model_folder, serve_in_thread
 
 
-
 def samples(n: int = 11, step: float = 30.0, **ramps: tuple[float, float]) -> list[EngineSample]:
     """n samples `step` seconds apart; each named field goes linearly from its first to its second value."""
     out = []
@@ -184,7 +183,7 @@ def test_healthy_state_database_passes(tmp_path: Path):
 
 
 class _Models(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         ok = self.headers.get("Authorization") == "Bearer good-token"
         self.send_response(200 if ok else 401)
         self.end_headers()

@@ -11,8 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from appliance.config import load
 from appliance.assembly import build
+from appliance.config import load
 from appliance.daemon import Daemon
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.engine_watch import EngineSample

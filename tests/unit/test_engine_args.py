@@ -5,7 +5,6 @@ from pathlib import Path
 from appliance import config
 from appliance.engine.args import build_launch, describe
 
-
 PLAN_ARGS = ["--kv-cache-memory-bytes", str(3 * 1024**3), "--max-model-len", "4096", "--max-num-seqs", "8"]
 
 

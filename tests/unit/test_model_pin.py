@@ -102,7 +102,6 @@ def test_an_unreadable_model_file_is_a_clear_error_not_a_traceback(tmp_path, mon
 
     from appliance.cli import main
     from kernels import manifest
-
     from tests.support import model_folder
 
     model = model_folder(tmp_path)
