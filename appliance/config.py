@@ -52,7 +52,7 @@ class _Section(BaseModel):
 class SiteSection(_Section):
     """Who this box is: shown in /v1/appliance/status and the metrics, so a fleet can tell sites apart."""
 
-    name: str = Field(default="", max_length=128)
+    name: str = Field(default="", max_length=128, description="This site's name, shown in the status and metrics.")
 
 
 class ModelSection(_Section):
@@ -73,15 +73,18 @@ class ModelSection(_Section):
 
 
 class ServerSection(_Section):
-    host: str = "127.0.0.1"
-    port: Port = 8000
+    host: str = Field(default="127.0.0.1",
+        description="Listen address; off loopback, API keys are required (auth.require_keys = auto).")
+    port: Port = Field(default=8000, description="Listen port of the OpenAI-compatible API.")
     max_body_bytes: ByteSize = Field(default=ByteSize(1 << 20), description="Larger request bodies get 413.")
-    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 5
-    upstream_timeout_s: Seconds = 600.0
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = Field(default=5,
+        description="Retry-After on 503 while the engine is not ready.")
+    upstream_timeout_s: Seconds = Field(default=600.0, description="Longest a request may wait on the engine.")
 
 
 class StateSection(_Section):
-    directory: Path = Path("/var/lib/appliance")
+    directory: Path = Field(default=Path("/var/lib/appliance"),
+        description="SQLite database (appliance.db), escalation outbox, engine compile cache.")
     log_prompts: bool = Field(default=False, description="Store prompt and completion text in the request log.")
 
 
@@ -94,16 +97,21 @@ class EngineSection(_Section):
     )
     max_model_len: Annotated[int, Field(ge=16)] | None = Field(default=None, description="Unset: from the plan.")
     max_num_seqs: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Unset: from the plan.")
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.92
-    enforce_eager: bool = False
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(default=0.92,
+        description="Share of GPU memory the plan may use, like vLLM's own default.")
+    enforce_eager: bool = Field(default=False,
+        description="Skip torch.compile and CUDA graphs: faster start, slower decode.")
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the vLLM command line.")
     cache_dir: Path | None = Field(default=None, description="vLLM compile cache; default: <state>/engine-cache.")
-    startup_timeout_s: Seconds = 900.0
-    stop_grace_s: Seconds = 15.0
-    restart_backoff_initial_s: Seconds = 1.0
-    restart_backoff_max_s: Seconds = 60.0
-    max_failures: Annotated[int, Field(ge=1)] = 5
-    failure_window_s: Seconds = 600.0
+    startup_timeout_s: Seconds = Field(default=900.0,
+        description="Longest the engine may take to answer /health after a start.")
+    stop_grace_s: Seconds = Field(default=15.0, description="SIGTERM, then SIGKILL after this long.")
+    restart_backoff_initial_s: Seconds = Field(default=1.0,
+        description="First wait before restarting a dead engine; doubled after each death.")
+    restart_backoff_max_s: Seconds = Field(default=60.0, description="Longest wait between restarts.")
+    max_failures: Annotated[int, Field(ge=1)] = Field(default=5,
+        description="Deaths within failure_window_s before the daemon gives up and exits 1.")
+    failure_window_s: Seconds = Field(default=600.0, description="The window max_failures counts deaths in.")
 
     @field_validator("extra_args")
     @classmethod
@@ -118,12 +126,18 @@ class EngineSection(_Section):
 class TargetsSection(_Section):
     """What the site needs; the planner turns it into engine settings (kvbudget)."""
 
-    sessions: Annotated[int, Field(ge=1)] | None = None
-    context: Annotated[int, Field(ge=16)] | None = None
-    workload: Workload = "chat"
-    kv_dtype: KvDtype = "auto"
-    ttft_p50_ms: Annotated[float, Field(gt=0)] | None = None
-    tpot_ms: Annotated[float, Field(gt=0)] | None = None
+    sessions: Annotated[int, Field(ge=1)] | None = Field(default=None,
+        description="Concurrent sessions wanted at `context`; unset: none asked.")
+    context: Annotated[int, Field(ge=16)] | None = Field(default=None,
+        description="Tokens per session; unset: the workload's default (32k; 128k for long-context).")
+    workload: Workload = Field(default="chat",
+        description="What the site runs; chooses speculative decoding and the default context.")
+    kv_dtype: KvDtype = Field(default="auto",
+        description="KV cache dtype; auto: FP8 where the GPU has it, else the model's dtype.")
+    ttft_p50_ms: Annotated[float, Field(gt=0)] | None = Field(default=None,
+        description="Median time-to-first-token target, recorded with the plan.")
+    tpot_ms: Annotated[float, Field(gt=0)] | None = Field(default=None,
+        description="Time per output token target, checked against the memory-bandwidth floor of decoding.")
     speculative: SpeculativeTarget = Field(
         default="auto", description="off: never speculate (the doctor suggests it when acceptance decays).")
     prefix_caching: bool = Field(
@@ -136,24 +150,30 @@ class TargetsSection(_Section):
 class RegionalSection(_Section):
     """The regional OpenAI-compatible cluster reached over the backhaul (used by cascade)."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="Escalate to a regional cluster at all.")
     base_url: str = Field(default="", description="Like an OpenAI client's base URL, ending in /v1.")
     model: str = Field(default="", description="The regional model escalations of the local model go to.")
     models: list[str] = Field(default_factory=list,
                               description="Models clients may name that only the regional cluster serves.")
     token_file: Path | None = Field(default=None, description="Bearer token; the file must have mode 0600.")
-    ca_bundle: Path | None = None
-    client_cert: Path | None = None
-    client_key: Path | None = None
-    connect_timeout_s: Seconds = 3.0
-    read_timeout_s: Seconds = 120.0
-    retries: Annotated[int, Field(ge=0, le=5)] = 1
-    breaker_failures: Annotated[int, Field(ge=1)] = 3
-    breaker_reset_s: Seconds = 10.0
-    breaker_max_reset_s: Seconds = 300.0
-    forward_concurrency: Annotated[int, Field(ge=1, le=64)] = 4
-    forward_poll_s: Seconds = 2.0
-    max_attempts: Annotated[int, Field(ge=1)] = 10
+    ca_bundle: Path | None = Field(default=None, description="TLS: the cluster's CA bundle; unset: the system's.")
+    client_cert: Path | None = Field(default=None, description="TLS client certificate (mutual TLS).")
+    client_key: Path | None = Field(default=None, description="Key of client_cert.")
+    connect_timeout_s: Seconds = Field(default=3.0, description="Longest wait for a connection to the cluster.")
+    read_timeout_s: Seconds = Field(default=120.0,
+        description="Longest wait for an answer; a blackholed link costs this once per breaker opening.")
+    retries: Annotated[int, Field(ge=0, le=5)] = Field(default=1,
+        description="Extra attempts, only when the connection could not be made.")
+    breaker_failures: Annotated[int, Field(ge=1)] = Field(default=3,
+        description="Consecutive link failures that open the circuit breaker.")
+    breaker_reset_s: Seconds = Field(default=10.0,
+        description="First wait before a probe of an open breaker; doubled after each failed probe.")
+    breaker_max_reset_s: Seconds = Field(default=300.0, description="Longest wait between probes.")
+    forward_concurrency: Annotated[int, Field(ge=1, le=64)] = Field(default=4,
+        description="Escalations the forwarder sends at once.")
+    forward_poll_s: Seconds = Field(default=2.0, description="How often the forwarder looks for due escalations.")
+    max_attempts: Annotated[int, Field(ge=1)] = Field(default=10,
+        description="Answered errors (5xx, garbage) before an escalation is marked failed.")
 
     @model_validator(mode="after")
     def _url_when_enabled(self) -> RegionalSection:
@@ -170,28 +190,36 @@ class RegionalSection(_Section):
 class ThresholdsSection(_Section):
     """Escalate under `auto` when a signal is below its threshold (bench/cascade_eval.py chose the default)."""
 
-    quantile_logprob: float | None = -1.6  # pooled 30% escalation point of bench/cascade_eval.py
-    mean_logprob: float | None = None
-    min_logprob: float | None = None
-    neg_mean_entropy: float | None = None
-    quantile: Annotated[float, Field(ge=0, le=1)] = 0.1
+    quantile_logprob: float | None = Field(default=-1.6,
+        description="Escalate when the answer's low-quantile token log-probability is below this.")  # pooled 30% escalation point of bench/cascade_eval.py
+    mean_logprob: float | None = Field(default=None,
+        description="Escalate when the mean token log-probability is below this.")
+    min_logprob: float | None = Field(default=None,
+        description="Escalate when the lowest token log-probability is below this.")
+    neg_mean_entropy: float | None = Field(default=None,
+        description="Escalate when the negative mean top-k entropy is below this.")
+    quantile: Annotated[float, Field(ge=0, le=1)] = Field(default=0.1,
+        description="Which quantile quantile_logprob takes.")
 
 
 class TenantSection(_Section):
-    escalate: Escalate | None = None
-    mode: Mode | None = None
+    escalate: Escalate | None = Field(default=None, description="This tenant's policy; unset: [policy] escalate.")
+    mode: Mode | None = Field(default=None, description="This tenant's mode; unset: [policy] mode.")
     local_only: bool = Field(default=False, description="This tenant's data never leaves the site.")
 
 
 class PolicySection(_Section):
     """Escalation policy (used by cascade): defaults, thresholds, tenants, and the outbox's bounds."""
 
-    escalate: Escalate = "never"
-    mode: Mode = "async"
+    escalate: Escalate = Field(default="never", description="Default policy; per request: X-Appliance-Escalate.")
+    mode: Mode = Field(default="async",
+        description="Default escalation mode; per request: X-Appliance-Escalation-Mode.")
     thresholds: ThresholdsSection = Field(default_factory=ThresholdsSection)
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
-    outbox_max_pending: Annotated[int, Field(ge=1)] = 50_000
-    outbox_max_age_s: Seconds = 7 * 86400.0
+    outbox_max_pending: Annotated[int, Field(ge=1)] = Field(default=50_000,
+        description="Waiting escalations; at the bound new ones are refused and the local answer kept.")
+    outbox_max_age_s: Seconds = Field(default=7 * 86400.0,
+        description="Queued longer than this: expired, not sent (`appliance escalations retry`).")
 
 
 class AuthSection(_Section):
@@ -205,10 +233,13 @@ class AuthSection(_Section):
 class ClassSection(_Section):
     """One priority class: its TTFT target, its token limit, its queue and its reserved share."""
 
-    ttft_target_s: Seconds
+    ttft_target_s: Seconds = Field(
+        description="Refuse at once (429) when the predicted time to first token exceeds it.")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Unset: no class limit.")
-    queue_limit: Annotated[int, Field(ge=0)] = 64
-    reserved_share: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    queue_limit: Annotated[int, Field(ge=0)] = Field(default=64,
+        description="Requests of this class that may wait for a slot.")
+    reserved_share: Annotated[float, Field(ge=0, lt=1)] = Field(default=0.0,
+        description="Share of capacity usable by this class only.")
 
 
 def _default_classes() -> dict[PriorityClass, ClassSection]:
@@ -222,12 +253,13 @@ def _default_classes() -> dict[PriorityClass, ClassSection]:
 class AdmissionSection(_Section):
     """Admission control by priority class (the class comes from the API key)."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="Admission control by priority class.")
     capacity: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Requests the engine runs at once; unset: the plan's max_num_seqs.")
     anonymous_class: PriorityClass = Field(
         default="silver", description="Class of requests without a key (only possible on loopback).")
-    kv_high_water: Annotated[float, Field(gt=0, le=1)] = 0.95
+    kv_high_water: Annotated[float, Field(gt=0, le=1)] = Field(default=0.95,
+        description="Above this KV usage nothing new is admitted (vLLM would preempt).")
     classes: dict[PriorityClass, ClassSection] = Field(default_factory=_default_classes)
 
     @field_validator("classes", mode="before")

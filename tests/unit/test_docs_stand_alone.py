@@ -41,3 +41,14 @@ def test_the_pointer_pattern_finds_pointers():
     assert POINTER.findall("see docs/kv-accounting.md, section 6, and bench/outbox.py.") == [
         "docs/kv-accounting.md", "bench/outbox.py"]
     assert OUTSIDE.search("(ENGINE-NOTES.md lists them)") and OUTSIDE.search("section 7.6 of 001_8b59aade82f273eb.txt")
+
+
+MD_LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_markdown_link_resolves():
+    """README and docs link each other by relative path; a moved or renamed page breaks this."""
+    broken = [f"{f}: {target}" for f in _tracked() if f.endswith(".md")
+              for target in MD_LINK.findall((REPO / f).read_text()) if not ((REPO / f).parent / target).exists()]
+    assert broken == [], "\n".join(broken)
+    assert MD_LINK.findall("see [the API](docs/http-api.md#errors) and [x](https://e.com)") == ["docs/http-api.md"]
