@@ -35,7 +35,7 @@ lint: setup
 test-unit: setup
 	$(PY) -m pytest tests/unit
 
-# Each benchmark prints ratios measured side by side in one run (README: Benchmarks).
+# Each benchmark prints ratios measured side by side in one run (docs/testing.md: Benchmarks; bench/RESULTS.md keeps the runs).
 bench: model bench-deps
 	$(PY) bench/gateway_overhead.py
 	$(PY) bench/overload.py

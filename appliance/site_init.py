@@ -66,7 +66,7 @@ def render(a: Answers) -> str:
         cfg["policy"] = {"escalate": a.escalate, "mode": "async"}
     order = ["site", "model", "server", "state", "engine", "kernels", "auth", "regional", "policy"]
     ordered = {k: cfg[k] for k in order if k in cfg} | {k: v for k, v in cfg.items() if k not in order}
-    text = "# Written by `appliance init`; every key: README.md, \"Configuration\".\n\n" + tomli_w.dumps(ordered)
+    text = "# Written by `appliance init`; every key: /usr/share/doc/edge-appliance/configuration.md (docs/configuration.md)\n\n" + tomli_w.dumps(ordered)
     try:
         parse(text, source="the new configuration", base=Path("/"))
     except ConfigError as e:

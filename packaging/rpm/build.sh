@@ -16,7 +16,8 @@ trap 'rm -rf "$top"' EXIT
 mkdir -p "$top"/{SOURCES,SPECS,BUILD,RPMS,SRPMS,BUILDROOT}
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$top/SOURCES" "$repo"
 cp "$repo"/systemd/appliance.service "$repo"/systemd/appliance.sysusers.conf "$repo"/systemd/appliance.tmpfiles.conf \
-   "$repo"/systemd/90-appliance.preset "$repo"/appliance/packaged.toml "$repo"/README.md "$top/SOURCES/"
+   "$repo"/systemd/90-appliance.preset "$repo"/appliance/packaged.toml "$repo"/README.md \
+   "$repo"/docs/configuration.md "$repo"/docs/cli.md "$top/SOURCES/"
 cp "$here/edge-appliance.spec" "$top/SPECS/"
 rpmbuild -bb --quiet --define "_topdir $top" --define "appliance_version $version" \
     "$top/SPECS/edge-appliance.spec"

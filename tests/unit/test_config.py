@@ -118,10 +118,10 @@ def test_serve_refuses_a_missing_model_before_starting_anything(tmp_path: Path):
     assert r.returncode == 2 and "model.path" in r.stderr and "install-default" in r.stderr
 
 
-def test_the_readme_example_is_a_valid_configuration():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
-    cfg = config.parse(block, source="README.md")
+def test_the_annotated_example_is_a_valid_configuration():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    block = doc.split("## A configuration, annotated", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = config.parse(block, source="docs/operations.md")
     assert cfg.served_name == "smollm2-135m-instruct" and cfg.targets.workload == "chat"
     assert cfg.policy.tenants["clinic"].local_only and cfg.policy.thresholds.quantile_logprob == -1.6
     assert cfg.admission.classes["gold"].reserved_share == 0.25 and cfg.kernels.verify == "warn"
