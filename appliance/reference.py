@@ -89,7 +89,9 @@ def configuration_md() -> str:
 
 def _command_md(cmd: click.Command, path: list[str], out: list[str], parent: click.Context | None = None) -> None:
     # A fixed width: the reference must not depend on the terminal it was generated in.
-    ctx = click.Context(cmd, info_name=path[-1], parent=parent, terminal_width=100, max_content_width=100)
+    # ... and the command's own context settings (-h beside --help), as `appliance ... --help` shows them.
+    ctx = cmd.context_class(cmd, info_name=path[-1], parent=parent, terminal_width=100, max_content_width=100,
+                            **cmd.context_settings)
     if parent is not None:
         out.append(f"## `{' '.join(path)}`\n")
         out.append("```\n" + cmd.get_help(ctx) + "\n```\n")

@@ -82,6 +82,14 @@ def default_model_path() -> Path:
     return path
 
 
+def model_stand_in(parent: Path) -> Path:
+    """The embedded default's config.json alone (weights estimated): enough to plan, nothing to serve."""
+    folder = parent / "smollm2-135m-instruct"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text((REPO / "tests/fixtures/models/smollm2-135m-instruct.json").read_text())
+    return folder
+
+
 def model_folder(parent: Path) -> Path:
     """What startup.runtime_problems looks for, and no more: a folder with config.json and a weights file."""
     folder = parent / "model"
@@ -111,13 +119,14 @@ def shared_engine_cache() -> Path:
 
 def write_config(directory: Path, *, port: int | None = None, engine_port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
-                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048) -> Path:
+                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
+                 model: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
     path.write_text(
         f"""
 [model]
-path = "{default_model_path()}"
+path = "{model or default_model_path()}"
 served_name = "{served_name}"
 
 [server]

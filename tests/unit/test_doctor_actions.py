@@ -21,7 +21,7 @@ from appliance.status_view import doctor_report, status
 from kvbudget import probe
 from kvbudget.gpu import Discovery
 from kvbudget.planner import PlanError
-from tests.support import write_config
+from tests.support import model_stand_in, write_config
 
 
 class RecordingSupervisor(EngineSupervisor):
@@ -36,7 +36,7 @@ class RecordingSupervisor(EngineSupervisor):
 
 
 def _daemon(tmp_path: Path, act: bool, doctor: str = "") -> tuple[Daemon, RecordingSupervisor]:
-    path = write_config(tmp_path, extra=f'[targets]\nworkload = "code"\n'
+    path = write_config(tmp_path, model=model_stand_in(tmp_path), extra=f'[targets]\nworkload = "code"\n'
                                         f"[doctor]\ndisable_decayed_speculation = {str(act).lower()}\n{doctor}")
     cfg = load(path)
     site_plan = plan_for_config(cfg, Discovery(error="no NVIDIA driver"), ask_vllm=False)
@@ -146,7 +146,7 @@ def test_no_relaunch_when_the_plan_without_speculation_cannot_run(tmp_path: Path
 
 def test_one_probe_run_answers_for_both_plans(tmp_path: Path, monkeypatch):
     """The plan and its speculation-free twin are asked together: vLLM is imported once at start."""
-    cfg = load(write_config(tmp_path, extra='[targets]\nworkload = "code"\n'))
+    cfg = load(write_config(tmp_path, model=model_stand_in(tmp_path), extra='[targets]\nworkload = "code"\n'))
     calls: list[list[probe.Question]] = []
 
     def recording(questions, device=None, python=None, timeout_s=0):
