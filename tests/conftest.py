@@ -10,7 +10,7 @@ import pytest
 from tests import loopback
 from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance, state_dump
 
-pytest_plugins = ["pytester"]  # tests/unit/test_ci_runs_everything.py runs pytest on small test files
+pytest_plugins = ["pytester"]  # tests/unit/project/test_ci_runs_everything.py runs pytest on small test files
 
 DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
 ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines

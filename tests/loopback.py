@@ -5,7 +5,7 @@ the whole CA bundle into it (OpenSSL 3: tens of ms of CPU), even for a plain-HTT
 it. In CI a test thread once sat over 60 s inside that parse (`ssl.load_verify_locations`, under
 `httpx.Client.__init__`) while the engine held both cores, and the request it was about to send never
 left. Here the context is built once, at import, and every client gets it: a client then costs no
-OpenSSL work at all. tests/unit/test_tests_use_loopback.py keeps the tests on these.
+OpenSSL work at all. tests/unit/project/test_tests_use_loopback.py keeps the tests on these.
 """
 
 from __future__ import annotations

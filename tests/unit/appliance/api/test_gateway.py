@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from tests.unit.inprocess import app
+from tests.unit.appliance.api.inprocess import app
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -33,7 +33,7 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
     engine handed to the client; once it ends, and after an engine error, the list is empty again."""
     from appliance.engine.args import build_launch
     from appliance.engine.supervisor import EngineState
-    from tests.unit.inprocess import gateway
+    from tests.unit.appliance.api.inprocess import gateway
 
     release = asyncio.Event()
 

@@ -12,7 +12,7 @@ from appliance.engine.supervisor import EngineState, EngineStatus
 from appliance.engine_watch import EngineWatch
 from appliance.metrics import Metrics
 from appliance.store import RequestRecord
-from tests.unit.inprocess import app, call, gateway
+from tests.unit.appliance.api.inprocess import app, call, gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -7,9 +7,10 @@ over a minute (see tests/loopback.py). This keeps a new test from bringing that 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+
+TESTS = REPO / "tests"
 MAKES_A_CONTEXT = {"get", "post", "put", "patch", "delete", "head", "options", "request", "stream",
                    "Client", "AsyncClient", "HTTPTransport", "AsyncHTTPTransport"}
 

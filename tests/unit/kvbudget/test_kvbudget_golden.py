@@ -4,7 +4,6 @@ arithmetic that produces it, so a reader can check it by hand."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,9 @@ from kvbudget.accounting import EngineShape, capacity, cdiv, layout
 from kvbudget.model import ModelError, read_model, shape_from_config
 from kvbudget.planner import PlanError, Platform, Targets, make_plan
 from kvbudget.profiles import UnknownGpu, custom_profile, find_profile
+from tests.support import REPO
 
-FIX = Path(__file__).resolve().parent.parent / "fixtures" / "models"
+FIX = REPO / "tests" / "fixtures" / "models"
 GiB = 1 << 30
 
 

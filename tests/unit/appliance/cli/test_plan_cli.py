@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvbudget.gpu import discover
+from tests.support import REPO
 
-FIX = Path(__file__).resolve().parent.parent / "fixtures" / "models"
+FIX = REPO / "tests" / "fixtures" / "models"
 SEED = str(FIX / "qwen3.6-27b-fp8.json")
 PRO6000 = "RTX PRO 6000 Blackwell"
 

@@ -12,8 +12,8 @@ import pytest
 
 from appliance import config, keys
 from appliance.api.auth import is_loopback, keys_required
-from tests.unit.inprocess import app as _app
-from tests.unit.inprocess import call as _call
+from tests.unit.appliance.api.inprocess import app as _app
+from tests.unit.appliance.api.inprocess import call as _call
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

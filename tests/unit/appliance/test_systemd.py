@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from appliance.systemd import Notifier, under_systemd
-from tests.support import needs_tools
+from tests.support import REPO, needs_tools
 
-UNITS = Path(__file__).resolve().parents[2] / "systemd"
+UNITS = REPO / "systemd"
 # Documented in the README: systemd's "OK" band ends at 2.0; --threshold takes that scale x10.
 SECURITY_THRESHOLD = 20
 

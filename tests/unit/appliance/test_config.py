@@ -8,6 +8,7 @@ import pytest
 
 from appliance import config
 from appliance.startup import runtime_problems
+from tests.support import REPO
 
 MINIMAL = '[model]\npath = "models/m"\n'
 
@@ -119,7 +120,7 @@ def test_serve_refuses_a_missing_model_before_starting_anything(tmp_path: Path):
 
 
 def test_the_annotated_example_is_a_valid_configuration():
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    doc = (REPO / "docs" / "operations.md").read_text()
     block = doc.split("## A configuration, annotated", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
     cfg = config.parse(block, source="docs/operations.md")
     assert cfg.served_name == "smollm2-135m-instruct" and cfg.targets.workload == "chat"
