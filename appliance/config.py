@@ -29,7 +29,7 @@ from pydantic import (
 from appliance.net import is_loopback
 from cascade.policy import Escalate, Mode, PriorityClass
 from kvbudget.accounting import KvDtype
-from kvbudget.planner import SpeculativeTarget, Workload
+from kvbudget.plan_types import SpeculativeTarget, Workload
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
 CONFIG_ENV = "APPLIANCE_CONFIG"

@@ -9,7 +9,8 @@ from appliance.config import Config
 from kvbudget import probe
 from kvbudget.gpu import Discovery, discover
 from kvbudget.model import ModelError, ModelShape, read_draft, read_model
-from kvbudget.planner import Plan, PlanError, Platform, Targets, follow_vllm, make_plan
+from kvbudget.plan_types import Plan, PlanError, Platform, Targets
+from kvbudget.planner import follow_vllm, make_plan
 from kvbudget.profiles import GpuProfile, profile_from_discovery
 
 

@@ -19,7 +19,7 @@ from appliance.engine.supervisor import EngineSupervisor
 from appliance.engine_watch import EngineWatch
 from appliance.metrics import Metrics
 from appliance.site_state import SiteState
-from kvbudget.planner import Plan
+from kvbudget.plan_types import Plan
 
 log = logging.getLogger("appliance")
 

@@ -5,15 +5,10 @@ Pure: values in, a Plan out. Discovery (NVML, files) happens before, rendering a
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from dataclasses import replace
 
 from kvbudget.accounting import (
-    CPU_DEFAULT_BLOCK_SIZE,
-    GPU_DEFAULT_BLOCK_SIZE,
     EngineShape,
-    KvCapacity,
     KvDtype,
     KvLayout,
     capacity,
@@ -22,12 +17,18 @@ from kvbudget.accounting import (
     pool_for_sessions,
 )
 from kvbudget.model import STATE_KINDS, ModelShape
+from kvbudget.plan_types import (
+    Finding,
+    Memory,
+    Plan,
+    PlanError,
+    Platform,
+    Speculative,
+    Targets,
+)
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
 
-Workload = Literal["chat", "code", "long-context", "tool-calling"]
-WORKLOADS: tuple[Workload, ...] = get_args(Workload)
-SpeculativeTarget = Literal["auto", "off"]  # off: the operator (or the doctor's advice) turned it off
 GiB = 1 << 30
 
 DEFAULT_CONTEXT = {"chat": 32_768, "code": 32_768, "long-context": 131_072, "tool-calling": 32_768}
@@ -35,110 +36,6 @@ SESSION_CONTEXTS = (4_096, 8_192, 32_768, 131_072)
 CUDA_CONTEXT_BYTES = 768 << 20  # CUDA context, cuBLAS/NCCL workspaces: measured 0.5-1 GiB on recent drivers
 CUDA_GRAPH_BYTES = 512 << 20  # vLLM's CUDA-graph pool for the default capture sizes (an estimate)
 
-
-@dataclass(frozen=True)
-class Targets:
-    sessions: int | None = None
-    context: int | None = None
-    workload: Workload = "chat"
-    kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU supports it, else the model's dtype
-    ttft_p50_ms: float | None = None
-    tpot_ms: float | None = None
-    max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on the CPU backend (passed explicitly)
-    draft_model_bytes: int | None = None  # an EAGLE draft the site provides (bytes), enables EAGLE
-    num_speculative_tokens: int | None = None
-    speculative: SpeculativeTarget = "auto"
-    prefix_caching: bool = True  # vLLM's default; off trades cache hits for fewer state blocks on hybrids
-    draft_model: str | None = None  # a local EAGLE-3 folder; its path goes into --speculative-config
-    draft_layers: int | None = None  # KV layers the draft adds (counted from its config.json)
-
-
-@dataclass(frozen=True)
-class Platform:
-    kind: Literal["gpu", "cpu"] = "gpu"
-    gpu_count: int = 1
-    gpu_memory_utilization: float = 0.92  # vLLM's default: what it holds back is headroom
-    enforce_eager: bool = False
-
-    @property
-    def block_size(self) -> int:
-        return CPU_DEFAULT_BLOCK_SIZE if self.kind == "cpu" else GPU_DEFAULT_BLOCK_SIZE
-
-    def batched_tokens(self, targets: Targets) -> int:
-        return targets.max_num_batched_tokens or (2048 if self.kind == "cpu" else 8192)
-
-
-@dataclass(frozen=True)
-class Memory:
-    total: int
-    headroom: int  # what gpu_memory_utilization keeps back
-    weights: int
-    draft_weights: int
-    reserve: int  # activation peak + CUDA context + CUDA graphs (estimated)
-    kv_pool: int  # exact bytes passed as --kv-cache-memory-bytes (whole blocks)
-    unused: int  # the remainder below one block
-
-
-@dataclass(frozen=True)
-class Speculative:
-    method: Literal["none", "ngram", "eagle3", "mtp"]
-    num_speculative_tokens: int
-    reason: str
-
-    draft_model: str | None = None
-
-    def config_json(self) -> str | None:
-        if self.method == "none":
-            return None
-        cfg: dict[str, object] = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        # n-gram: vLLM's own lookup window (SpeculativeConfig: prompt_lookup_min = max = 5) is left as it is;
-        # no measurement here says another window accepts more.
-        if self.method == "eagle3":
-            if not self.draft_model:
-                raise PlanError("EAGLE-3 needs the draft's local folder (targets.draft_model)")
-            cfg["model"] = self.draft_model
-        return json.dumps(cfg, separators=(",", ":"))
-
-
-@dataclass(frozen=True)
-class Finding:
-    target: str
-    wanted: str
-    achieved: str
-    shortfall_pct: float
-    remedies: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    gpu: GpuProfile
-    model: ModelShape
-    targets: Targets
-    platform: Platform
-    fits: bool
-    memory: Memory
-    engine: EngineShape
-    layout: KvLayout | None
-    capacity: KvCapacity | None
-    sessions_at: dict[int, float]
-    max_num_seqs: int
-    speculative: Speculative
-    tpot_floor_ms: float | None
-    findings: tuple[Finding, ...]
-    notes: tuple[str, ...]
-    vllm_args: tuple[str, ...]
-    source: str = "kvbudget model"  # or "vllm X.Y.Z" when vLLM's own figures replaced the model's
-    vllm: VllmFigures | None = None
-    model_figures: KvCapacity | None = None  # the kvbudget model's figures, kept when vLLM's replaced them
-    disagreements: tuple[str, ...] = ()
-
-    @property
-    def targets_met(self) -> bool:
-        return self.fits and not self.findings
-
-
-class PlanError(ValueError):
-    pass
 
 
 # -- the pieces -----------------------------------------------------------------------------
@@ -474,7 +371,7 @@ def follow_vllm(plan: Plan, vllm: VllmFigures) -> Plan:
                   max_concurrency=vllm.max_concurrency, tokens_reported=vllm.kv_tokens)
     sessions_at = {ctx: vllm.sessions_at.get(ctx, n) for ctx, n in plan.sessions_at.items()}
     sessions_at[e.max_model_len] = vllm.max_concurrency
-    findings = [f for f in plan.findings if f.target not in ("sessions",) and not f.wanted.startswith("one request")]
+    findings = [f for f in plan.findings if f.target not in ("sessions", "context")]  # both recomputed below
     context = e.max_model_len
     if vllm.max_concurrency < 1:
         findings.append(Finding("context", f"one request of {context:,} tokens", f"{vllm.max_concurrency:.2f} requests",

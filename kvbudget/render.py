@@ -7,7 +7,7 @@ from typing import Any
 
 from kvbudget.accounting import kv_bytes_per_element
 from kvbudget.model import STATE_KINDS
-from kvbudget.planner import Plan
+from kvbudget.plan_types import Plan
 
 
 def gb(n: float) -> str:

@@ -10,7 +10,7 @@ import click
 
 from appliance.cli.common import EXIT_FAILED, CliError, choice, config_option, load_config, size
 from kvbudget.accounting import KvDtype
-from kvbudget.planner import Workload
+from kvbudget.plan_types import Workload
 
 
 @click.command("plan")
@@ -52,7 +52,8 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     from appliance.planning import device_for, targets_from_config, with_draft, with_vllm_figures
     from kvbudget.gpu import discover
     from kvbudget.model import ModelError, read_model
-    from kvbudget.planner import PlanError, Platform, Targets, make_plan
+    from kvbudget.plan_types import PlanError, Platform, Targets
+    from kvbudget.planner import make_plan
     from kvbudget.profiles import UnknownGpu, custom_profile, find_profile, profile_from_discovery
     from kvbudget.render import plan_dict, plan_text
 

@@ -18,7 +18,8 @@ import pytest
 
 from kvbudget import probe
 from kvbudget.model import read_model
-from kvbudget.planner import Platform, Targets, make_plan
+from kvbudget.plan_types import Platform, Targets
+from kvbudget.planner import make_plan
 from tests import loopback
 from tests.support import RunningAppliance, default_model_path, free_port, shared_engine_cache, wait_for
 

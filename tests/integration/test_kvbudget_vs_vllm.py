@@ -16,7 +16,8 @@ import pytest
 
 from kvbudget import probe
 from kvbudget.model import read_model
-from kvbudget.planner import Plan, PlanError, Platform, Targets, make_plan
+from kvbudget.plan_types import Plan, PlanError, Platform, Targets
+from kvbudget.planner import make_plan
 from kvbudget.profiles import find_profile
 
 pytestmark = pytest.mark.vllm

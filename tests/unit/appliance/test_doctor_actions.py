@@ -20,7 +20,7 @@ from appliance.planning import plan_for_config
 from appliance.status_view import doctor_report, status
 from kvbudget import probe
 from kvbudget.gpu import Discovery
-from kvbudget.planner import PlanError
+from kvbudget.plan_types import PlanError
 from tests.support import model_stand_in, write_config
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from kvbudget.accounting import EngineShape, capacity, cdiv, layout
 from kvbudget.model import ModelError, read_model, shape_from_config
-from kvbudget.planner import PlanError, Platform, Targets, make_plan
+from kvbudget.plan_types import PlanError, Platform, Targets
+from kvbudget.planner import make_plan
 from kvbudget.profiles import UnknownGpu, custom_profile, find_profile
 from tests.support import REPO
 
