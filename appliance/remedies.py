@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from appliance import doctor
 from appliance.admission import AdmissionConfig, AdmissionGate
@@ -24,15 +24,14 @@ from kvbudget.plan_types import Plan
 log = logging.getLogger("appliance")
 
 
+@dataclass
 class Remedies:
-    def __init__(self, state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch, gateway: Gateway,
-                 admission: AdmissionGate | None, metrics: Metrics) -> None:
-        self.state = state
-        self.supervisor = supervisor
-        self.watch = watch
-        self.gateway = gateway
-        self.admission = admission
-        self.metrics = metrics
+    state: SiteState
+    supervisor: EngineSupervisor
+    watch: EngineWatch
+    gateway: Gateway
+    admission: AdmissionGate | None
+    metrics: Metrics
 
     async def run(self) -> None:
         # Runs whatever [doctor] says now: a reload (SIGHUP) may switch acting on or off, or change the interval.
