@@ -8,7 +8,8 @@ from pathlib import Path
 from appliance.config import Config
 from kvbudget import probe
 from kvbudget.gpu import Discovery, discover
-from kvbudget.model import ModelError, ModelShape, read_draft, read_model
+from kvbudget.model import ModelError, ModelShape
+from kvbudget.model_files import read_draft, read_model
 from kvbudget.plan_types import Plan, PlanError, Platform, Targets
 from kvbudget.planner import follow_vllm, make_plan
 from kvbudget.profiles import GpuProfile, profile_from_discovery

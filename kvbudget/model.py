@@ -1,15 +1,8 @@
-"""Read a model's shape from its config.json and its exact weight bytes from safetensors headers.
-
-Pure data in, pure data out, except `read_model_folder`, which opens files (and
-only the JSON header of each safetensors file, never the tensors).
-"""
+"""A model's shape from its config.json: pure data in, pure data out (kvbudget.model_files reads the files)."""
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal, cast
 
 # Cache-holding modules, in layer order: attention (full, sliding window, chunked local, MLA) keeps
@@ -114,7 +107,7 @@ class ModelShape:
         return len(self.layer_kinds) - self.state_layers
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     # Multimodal checkpoints (Qwen3.5/3.6, Gemma 3, ...) nest the language model's fields.
     inner = cfg.get("text_config")
     if isinstance(inner, dict):
@@ -131,7 +124,7 @@ def _req(cfg: dict[str, Any], *keys: str) -> Any:
     raise ModelError(f"config.json lacks {' / '.join(keys)}; cannot size the KV cache without it")
 
 
-def _positive_int(cfg: dict[str, Any], *keys: str) -> int:
+def positive_int(cfg: dict[str, Any], *keys: str) -> int:
     v = _req(cfg, *keys)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ModelError(f"config.json {keys[0]} must be a positive integer (got {v!r})")
@@ -240,8 +233,8 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[str, ...]:  # each a Laye
 def _mamba2(t: dict[str, Any], hidden: int, dtype_bytes: int) -> Mamba2State:
     """Mamba2 state fields under the names each family uses (granitemoehybrid and falcon_h1: mamba_*;
     nemotron_h: mamba_num_heads / ssm_state_size / conv_kernel)."""
-    heads = _positive_int(t, "mamba_n_heads", "mamba_num_heads")
-    head_dim = _positive_int(t, "mamba_d_head", "mamba_head_dim")
+    heads = positive_int(t, "mamba_n_heads", "mamba_num_heads")
+    head_dim = positive_int(t, "mamba_d_head", "mamba_head_dim")
     if t.get("model_type") == "nemotron_h":
         inter = heads * head_dim
     else:
@@ -251,11 +244,11 @@ def _mamba2(t: dict[str, Any], hidden: int, dtype_bytes: int) -> Mamba2State:
         ssm = "float32"  # vLLM's NemotronHForCausalLMConfig: float32 unless the config names another
     return Mamba2State(
         intermediate_size=int(inter),
-        n_groups=_positive_int(t, "mamba_n_groups", "n_groups"),
+        n_groups=positive_int(t, "mamba_n_groups", "n_groups"),
         num_heads=heads,
         head_dim=head_dim,
-        state_size=_positive_int(t, "mamba_d_state", "ssm_state_size"),
-        conv_kernel=_positive_int(t, "mamba_d_conv", "conv_kernel"),
+        state_size=positive_int(t, "mamba_d_state", "ssm_state_size"),
+        conv_kernel=positive_int(t, "mamba_d_conv", "conv_kernel"),
         ssm_dtype_bytes=_dtype_bytes(ssm) if ssm else None,
     )
 
@@ -287,10 +280,10 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
             f"{arch} is not a causal language model (expected an architecture ending in ForCausalLM); "
             "the appliance serves generative chat models"
         )
-    t = _with_defaults(_text_config(cfg))
-    n_layers = _positive_int(t, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _positive_int(t, "num_attention_heads", "n_head")
-    hidden = _positive_int(t, "hidden_size", "n_embd", "d_model")
+    t = _with_defaults(text_config(cfg))
+    n_layers = positive_int(t, "num_hidden_layers", "n_layer", "num_layers")
+    heads = positive_int(t, "num_attention_heads", "n_head")
+    hidden = positive_int(t, "hidden_size", "n_embd", "d_model")
     kv_heads = t.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads <= 0:
         raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
@@ -306,11 +299,11 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     linear = None
     if "linear" in kinds:
         linear = LinearAttention(
-            num_key_heads=_positive_int(t, "linear_num_key_heads"),
-            num_value_heads=_positive_int(t, "linear_num_value_heads"),
-            key_head_dim=_positive_int(t, "linear_key_head_dim"),
-            value_head_dim=_positive_int(t, "linear_value_head_dim"),
-            conv_kernel=_positive_int(t, "linear_conv_kernel_dim"),
+            num_key_heads=positive_int(t, "linear_num_key_heads"),
+            num_value_heads=positive_int(t, "linear_num_value_heads"),
+            key_head_dim=positive_int(t, "linear_key_head_dim"),
+            value_head_dim=positive_int(t, "linear_value_head_dim"),
+            conv_kernel=positive_int(t, "linear_conv_kernel_dim"),
             # Qwen3.5/3.6 set float32; Qwen3-Next leaves it to the model dtype (bf16).
             ssm_dtype_bytes=_dtype_bytes(t.get("mamba_ssm_dtype"), default=dtype_bytes),
         )
@@ -375,84 +368,3 @@ def estimate_weight_bytes(s: ModelShape) -> int:
     body_bytes = s.dtype_bytes if s.quantization == "mxfp4" else quant_bytes
     return int(s.num_layers * experts * quant_bytes + (mixers + s.num_layers * dense_mlp) * body_bytes
                + embed * min(s.dtype_bytes, 2))
-
-
-def safetensors_bytes(folder: Path) -> int:
-    """Exact tensor bytes of every *.safetensors file in folder, from their headers alone."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{folder} has no *.safetensors files")
-    total = 0
-    for f in files:
-        with f.open("rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ModelError(f"{f.name} is not a safetensors file (too short)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100 * 1024 * 1024:
-                raise ModelError(f"{f.name} has an implausible header length {n}")
-            try:
-                header = json.loads(fh.read(n))
-            except ValueError as e:
-                raise ModelError(f"{f.name} has a malformed safetensors header: {e}") from None
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            total += end - start
-    return total
-
-
-def read_model_folder(folder: Path) -> ModelShape:
-    """Shape from config.json plus exact weight bytes from the safetensors headers."""
-    folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelError(f"{folder} has no config.json: not a Hugging Face model folder")
-    shape = shape_from_config(_read_json(cfg_path), name=folder.name)
-    if any(folder.glob("*.safetensors")):
-        return replace(shape, weight_bytes=safetensors_bytes(folder), weight_bytes_exact=True, notes=())
-    return shape
-
-
-def read_model(path: Path) -> ModelShape:
-    """A model folder, or a bare config.json (weights then estimated)."""
-    path = Path(path)
-    if path.is_dir():
-        return read_model_folder(path)
-    if not path.is_file():
-        raise ModelError(f"{path} does not exist")
-    return shape_from_config(_read_json(path), name=path.stem if path.name != "config.json" else path.parent.name)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path} is not valid JSON: {e}") from None
-
-
-@dataclass(frozen=True)
-class DraftModel:
-    """An EAGLE draft as vLLM will load it: its folder, exact weight bytes and the KV layers it adds."""
-
-    path: Path
-    weight_bytes: int
-    kv_layers: int
-
-
-def read_draft(folder: Path) -> DraftModel:
-    """A local EAGLE-3 draft folder: bytes from its safetensors headers, KV layers from its config.json.
-
-    vLLM's EAGLE-3 heads (llama_eagle3.py) build `num_hidden_layers` decoder layers, each with an attention
-    layer that joins the target's KV pool.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelError(f"draft model {folder} is not a folder: give the EAGLE-3 draft's local folder")
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelError(f"draft model {folder} has no config.json")
-    cfg = _read_json(cfg_path)
-    layers = _positive_int(_text_config(cfg) if isinstance(cfg, dict) else {}, "num_hidden_layers")
-    return DraftModel(folder.resolve(), safetensors_bytes(folder), layers)

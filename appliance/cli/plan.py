@@ -51,7 +51,8 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     """
     from appliance.planning import device_for, targets_from_config, with_draft, with_vllm_figures
     from kvbudget.gpu import discover
-    from kvbudget.model import ModelError, read_model
+    from kvbudget.model import ModelError
+    from kvbudget.model_files import read_model
     from kvbudget.plan_types import PlanError, Platform, Targets
     from kvbudget.planner import make_plan
     from kvbudget.profiles import UnknownGpu, custom_profile, find_profile, profile_from_discovery

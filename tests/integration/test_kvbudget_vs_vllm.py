@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbudget import probe
-from kvbudget.model import read_model
+from kvbudget.model_files import read_model
 from kvbudget.plan_types import Plan, PlanError, Platform, Targets
 from kvbudget.planner import make_plan
 from kvbudget.profiles import find_profile

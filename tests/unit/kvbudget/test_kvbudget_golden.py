@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from kvbudget.accounting import EngineShape, capacity, cdiv, layout
-from kvbudget.model import ModelError, read_model, shape_from_config
+from kvbudget.model import ModelError, shape_from_config
+from kvbudget.model_files import read_model
 from kvbudget.plan_types import PlanError, Platform, Targets
 from kvbudget.planner import make_plan
 from kvbudget.profiles import UnknownGpu, custom_profile, find_profile
