@@ -1,0 +1,84 @@
+"""The gateway's rooms on their own: the SSE relay without a server, routing's refusals by their kind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from appliance.api.errors import ApiError
+from appliance.api.inflight import Flight
+from appliance.api.recording import Recorder
+from appliance.api.relay import relay
+from appliance.api.routing import Routing
+from appliance.store import RequestRecord
+from cascade.policy import Decision
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"  # as vLLM writes it
+
+
+def _run(chunks: list[bytes], strip_usage: bool, keep_text: bool = False, fail: bool = False):
+    rec = RequestRecord(id="r1", ts=0.0, route="/v1/completions", model="m", status=200, stream=True,
+                        prompt="hi" if keep_text else None)
+    closed: list[bool] = []
+
+    async def upstream():
+        for c in chunks:
+            yield c
+        if fail:
+            raise httpx.ReadError("engine gone")
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def collect() -> bytes:
+        return b"".join([c async for c in relay(upstream(), close, rec, 0.0, strip_usage,
+                                                 Flight("r1", "/v1/completions", "silver", True))])
+
+    return asyncio.run(collect()), rec, closed
+
+
+TEXT = _event({"choices": [{"index": 0, "text": "Par"}]}) + _event({"choices": [{"index": 0, "text": "is"}]})
+USAGE = _event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+
+
+def test_the_relay_takes_usage_and_strips_it_when_the_client_did_not_ask():
+    # an event split across chunks is passed on whole, once complete
+    out, rec, closed = _run([TEXT[:10], TEXT[10:], USAGE, b"data: [DONE]\n\n"], strip_usage=True, keep_text=True)
+    assert out == TEXT + b"data: [DONE]\n\n"
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.completion) == (5, 2, "Paris")
+    assert closed == [True] and rec.ttft_ms is not None
+
+
+def test_the_relay_keeps_usage_for_a_client_that_asked():
+    out, rec, _ = _run([TEXT + USAGE + b"data: [DONE]\n\n"], strip_usage=False)
+    assert USAGE in out and rec.completion_tokens == 2
+
+
+def test_a_broken_engine_stream_ends_with_an_error_event():
+    out, rec, closed = _run([TEXT], strip_usage=True, fail=True)
+    last = json.loads(out.rsplit(b"data: ", 1)[1])
+    assert last["error"]["code"] == "engine_stream_broken" and rec.status == 502 and closed == [True]
+
+
+@pytest.mark.parametrize(("refusal", "status", "code"), [
+    ("no_regional_endpoint", 404, "model_not_found"),
+    ("escalation_forbidden", 403, "escalation_forbidden"),
+])
+def test_a_refusal_s_kind_picks_the_status_not_its_wording(refusal, status, code):
+    routing = Routing(None, "local", Recorder(None, None), 3)
+    # the same words for both: only the typed refusal tells them apart
+    decision = Decision("refuse", "async", "no regional endpoint is configured", False, refusal)
+    with pytest.raises(ApiError) as e:
+        routing.check_model("big", decision)
+    assert (e.value.status, e.value.code, e.value.param) == (status, code, "model")
+
+
+def test_an_unknown_model_is_404():
+    with pytest.raises(ApiError) as e:
+        Routing(None, "local", Recorder(None, None), 3).check_model("other", None)
+    assert (e.value.status, e.value.code) == (404, "model_not_found")
