@@ -258,6 +258,7 @@ class Gateway:
             if job.judge and upstream.status_code == 200:
                 return await self.routing.judged(job, content, headers)
             return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
+        rec.status = 200  # the stream has begun; the relay changes it if the stream breaks or the client leaves
         job.flight.enter("streaming")
 
         def first_token() -> None:

@@ -79,5 +79,8 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
     assert held["since_engine_s"] >= 0 and held["age_s"] >= held["since_client_s"] >= 0
     assert during["engine_local_in_flight"] == 1
     assert done.status_code == 200 and '"text":"b"' in done.text
+    # the finished stream is recorded as answered (200), with its time to first token
+    assert gw.metrics.requests.labels("/v1/completions", "200", "silver")._value.get() == 1
+    assert gw.metrics.ttft.labels("/v1/completions", "silver")._sum.get() > 0
     assert after["data"] == [] and after["engine_local_in_flight"] == 0
     assert failed.status_code == 500 and after_error["data"] == []
