@@ -35,7 +35,7 @@ def test_files_config_and_requirements(rpm_file: Path):
     files = q(rpm_file, "-l").split()
     for f in ["/usr/bin/appliance", "/usr/lib/systemd/system/appliance.service", "/usr/lib/sysusers.d/appliance.conf",
               "/usr/lib/tmpfiles.d/appliance.conf", "/usr/lib/systemd/system-preset/90-appliance.preset",
-              "/etc/appliance/appliance.toml", f"/{SITELIB}/appliance/cli.py", f"/{SITELIB}/cascade/outbox.py",
+              "/etc/appliance/appliance.toml", f"/{SITELIB}/appliance/cli/__init__.py", f"/{SITELIB}/appliance/api/gateway.py", f"/{SITELIB}/cascade/outbox.py",
               f"/{SITELIB}/kernels/lock.py", f"/{SITELIB}/kvbudget/planner.py"]:
         assert f in files, f
     assert q(rpm_file, "--configfiles").split() == ["/etc/appliance/appliance.toml"]
