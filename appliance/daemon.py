@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from appliance import state_dump
 from appliance.admission import AdmissionGate
 from appliance.api.gateway import Gateway
-from appliance.config import ConfigError
+from appliance.config import Config, ConfigError
 from appliance.config import load as load_config
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
@@ -82,7 +82,7 @@ class Daemon:
         self._ready_sent = False
 
     @property
-    def cfg(self):
+    def cfg(self) -> Config:
         return self.state.cfg
 
     @property

@@ -23,7 +23,7 @@ import httpx
 from appliance.config import Config
 from appliance.engine_watch import EngineSample, Window
 from appliance.model_pin import ModelCheck
-from appliance.startup import runtime_problems
+from appliance.startup import model_problems, state_problems
 from kernels import lock as kernel_lock
 from kernels.lock import KernelCheck
 from kvbudget.gpu import Discovery
@@ -126,7 +126,7 @@ def check_gpu(discovery: Discovery, build: str | None) -> list[Finding]:
 
 
 def check_model(cfg: Config, model_check: ModelCheck | None) -> Finding:
-    problems = [p.message for p in runtime_problems(cfg) if p.setting == "model.path"]
+    problems = model_problems(cfg)
     if problems:
         return Finding("model", "fail", problems[0], "point model.path at a local Hugging Face model folder")
     if model_check is None:
@@ -153,7 +153,7 @@ def check_kernels(cfg: Config, kernel_check: KernelCheck | None = None) -> Findi
 
 
 def check_state(cfg: Config) -> list[Finding]:
-    problems = [p.message for p in runtime_problems(cfg) if p.setting == "state.directory"]
+    problems = state_problems(cfg)
     if problems:
         return [Finding("state", "fail", problems[0], "create the folder for the service user "
                                                       "(the packaged unit uses StateDirectory=appliance)")]

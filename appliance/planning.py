@@ -73,23 +73,25 @@ def with_vllm_figures(plan: Plan, model_path: Path, device: probe.Device, python
 def _ask_vllm(plans: list[Plan], model_path: Path, device: probe.Device,
               python: str | None) -> list[Plan | PlanError]:
     """Every plan checked by one probe run (vLLM is imported once): each followed, or vLLM's refusal."""
-    asked = [p for p in plans if p.fits]
+    def model_only(p: Plan, why: Exception) -> Plan:
+        return replace(p, notes=p.notes + (f"figures from the kvbudget model only: {why}",))
+
     try:
-        answers = probe.ask_many([probe.Question(Path(model_path), tuple(p.vllm_args),
-                                                 tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
-                                  for p in asked], device, python)
+        answers = iter(probe.ask_many(
+            [probe.Question(Path(model_path), tuple(p.vllm_args),
+                            tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
+             for p in plans if p.fits], device, python))
     except probe.ProbeUnavailable as e:
-        return [replace(p, notes=p.notes + (f"figures from the kvbudget model only: {e}",)) for p in plans]
-    by_plan = dict(zip(map(id, asked), answers))
+        return [model_only(p, e) for p in plans]
     out: list[Plan | PlanError] = []
     for p in plans:
-        a = by_plan.get(id(p))
+        a = next(answers) if p.fits else None  # one answer per plan that fits, in order
         if a is None:
             out.append(p)
         elif isinstance(a, probe.VllmRefused):
             out.append(PlanError(str(a)))
         elif isinstance(a, probe.EmulationGap):
-            out.append(replace(p, notes=p.notes + (f"figures from the kvbudget model only: {a}",)))
+            out.append(model_only(p, a))
         else:
             out.append(follow_vllm(p, a))
     return out

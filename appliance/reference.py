@@ -41,7 +41,7 @@ def _default(field: FieldInfo) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return "(section)"
-    return f"`{value!r}`" if value not in ("", None, [], {}) else ("unset" if value is None else f"`{value!r}`")
+    return "unset" if value is None else f"`{value!r}`"
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:

@@ -23,66 +23,55 @@ class StartupError(Exception):
     """The appliance must not start; the message says what to change."""
 
 
-@dataclass(frozen=True)
-class Problem:
-    """Something on this machine that stops the configuration from working."""
+def runtime_problems(cfg: Config) -> list[str]:
+    """Problems that only show against the machine (missing model files, unwritable state, bad credentials).
 
-    setting: str  # the configuration key it concerns, e.g. "model.path"
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
+    Each names the setting it concerns; the doctor asks the area it reports on (model_problems, ...).
+    """
+    return [*model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg), *state_problems(cfg)]
 
 
-def runtime_problems(cfg: Config) -> list[Problem]:
-    """Problems that only show against the machine (missing model files, unwritable state, bad credentials)."""
-    return [*_model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg), *_state_problems(cfg)]
-
-
-def _model_problems(cfg: Config) -> list[Problem]:
+def model_problems(cfg: Config) -> list[str]:
     mp = cfg.model.path
     if not mp.is_dir():
-        return [Problem("model.path", f"model.path {mp} is not a folder; the appliance loads models only from local "
-                                      "paths (run `appliance model install-default` for the embedded default)")]
+        return [f"model.path {mp} is not a folder; the appliance loads models only from local paths "
+                "(run `appliance model install-default` for the embedded default)"]
     if not (mp / "config.json").is_file():
-        return [Problem("model.path", f"model.path {mp} has no config.json: not a Hugging Face model folder")]
+        return [f"model.path {mp} has no config.json: not a Hugging Face model folder"]
     if not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
-        return [Problem("model.path", f"model.path {mp} has no weight files (*.safetensors or *.bin)")]
+        return [f"model.path {mp} has no weight files (*.safetensors or *.bin)"]
     return []
 
 
-def _engine_problems(cfg: Config) -> list[Problem]:
+def _engine_problems(cfg: Config) -> list[str]:
     if cfg.engine.python and not os.access(cfg.engine.python, os.X_OK):
-        return [Problem("engine.python", f"engine.python {cfg.engine.python} is not an executable interpreter: "
-                                         "install the engine's environment there (the fleet's vLLM) or leave "
-                                         "engine.python unset")]
+        return [f"engine.python {cfg.engine.python} is not an executable interpreter: install the engine's "
+                "environment there (the fleet's vLLM) or leave engine.python unset"]
     return []
 
 
-def _regional_problems(cfg: Config) -> list[Problem]:
+def _regional_problems(cfg: Config) -> list[str]:
     if not cfg.regional.enabled:
         return []
     from appliance.escalation import regional_settings
     from cascade.regional import TLSFileError, TokenFileError, read_token, tls_verify
 
     out = []
-    for setting, check in (("regional.token_file", lambda: read_token(cfg.regional.token_file)),
-                           ("regional", lambda: tls_verify(regional_settings(cfg)))):
+    for check in (lambda: read_token(cfg.regional.token_file), lambda: tls_verify(regional_settings(cfg))):
         try:
             check()
         except (TokenFileError, TLSFileError) as e:
-            out.append(Problem(setting, str(e)))
+            out.append(str(e))
     return out
 
 
-def _state_problems(cfg: Config) -> list[Problem]:
+def state_problems(cfg: Config) -> list[str]:
     sd = cfg.state.directory
     probe = sd
     while not probe.exists() and probe != probe.parent:  # the daemon creates the missing part
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK):
-        return [Problem("state.directory", f"state.directory {sd} cannot be created or written by this user "
-                                           f"({probe} is not writable)")]
+        return [f"state.directory {sd} cannot be created or written by this user ({probe} is not writable)"]
     return []
 
 
@@ -134,10 +123,7 @@ class Ready:
 
 
 def prepare(cfg: Config) -> Ready:
-    """The start-up sequence of `appliance serve`: machine checks, pins, then the plan."""
-    problems = runtime_problems(cfg)
-    if problems:
-        raise StartupError("\n".join(map(str, problems)))
+    """The rest of `appliance serve`'s start-up once runtime_problems found nothing: pins, then the plan."""
     model_check = verify_model(cfg)
     kernel_check = verify_kernels(cfg)
     try:

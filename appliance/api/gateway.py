@@ -26,7 +26,7 @@ from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
 from appliance.api.disconnect import ClientGone, ClosingStream, race_disconnect, read_or_leave
 from appliance.api.errors import ApiError, error_body, retry_later
-from appliance.api.inflight import Flight
+from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
 from appliance.api.relay import relay
@@ -35,6 +35,7 @@ from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
+from cascade.policy import Decision
 from cascade.service import Cascade
 
 _NOT_READY = {
@@ -78,7 +79,7 @@ class Gateway:
         self._idle.set()
 
     @property
-    def inflight(self):
+    def inflight(self) -> InFlight:
         return self.recorder.inflight
 
     async def aclose(self) -> None:
@@ -139,7 +140,8 @@ class Gateway:
         try:
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = validate_body(schema, body)
-            prompt_tokens, most = estimate_tokens(body), max_tokens(parsed)
+            text = prompt_text(body)  # once: for the estimate and, when kept, the request log
+            prompt_tokens, most = estimate_tokens(text), max_tokens(parsed)
             decision = self.routing.decide(request.headers, parsed.model, prompt_tokens, most, key)
             self.routing.check_model(parsed.model, decision)
             base = self._engine_or_regional(decision)
@@ -149,7 +151,7 @@ class Gateway:
 
         rec.model, rec.stream = parsed.model, bool(parsed.stream)
         if self.recorder.keeps_text:
-            rec.prompt = prompt_text(body)
+            rec.prompt = text
         job = Job(rec=rec, t0=t0, body=body, original=dict(body), stream=rec.stream,
                   client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                   cls=cls, tenant=key.tenant if key else None, decision=decision, prompt_tokens=prompt_tokens,
@@ -177,7 +179,7 @@ class Gateway:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
 
-    def _engine_or_regional(self, decision: Any) -> str | None:
+    def _engine_or_regional(self, decision: Decision | None) -> str | None:
         """The engine's address; None when the answer comes from the regional cluster instead (a model
         only it serves, or the local engine down while the policy allows escalation)."""
         if decision is not None and decision.action == "escalate_now" and decision.mode == "sync":

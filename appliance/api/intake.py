@@ -66,10 +66,10 @@ def prompt_text(body: dict) -> str:
     return p if isinstance(p, str) else json.dumps(p)
 
 
-def estimate_tokens(body: dict) -> int:
+def estimate_tokens(text: str) -> int:
     """About four bytes of text per token: admission only needs the order of magnitude, and
     tokenizing at the gateway would cost a round trip to the engine per request."""
-    return max(1, len(prompt_text(body).encode()) // 4)
+    return max(1, len(text.encode()) // 4)
 
 
 def max_tokens(parsed: Any) -> int | None:

@@ -28,7 +28,7 @@ def config_check(config_path: Path | None) -> None:
     cfg = load_config(config_path)
     problems = runtime_problems(cfg)
     if problems:
-        raise CliError("\n".join(map(str, problems)), EXIT_FAILED)
+        raise CliError("\n".join(problems), EXIT_FAILED)
     click.echo(f"{cfg.source}: OK (model '{cfg.served_name}', API "
                f"{http_url(cfg.server.host, cfg.server.port, '/v1')})")
 

@@ -23,7 +23,7 @@ def serve(config_path: Path | None, log_level: str) -> None:
     cfg = load_config(config_path)
     problems = runtime_problems(cfg)  # before logging starts: plain lines on stderr for the operator
     if problems:
-        raise CliError("\n".join(map(str, problems)))
+        raise CliError("\n".join(problems))
     logs.setup(log_level.upper())
     try:
         ready = prepare(cfg)
