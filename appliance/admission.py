@@ -4,9 +4,17 @@ A request that would miss its class's TTFT target is refused immediately (429 wi
 instead of queuing until it times out: a queue that grows past what can be served in time only turns
 into tail latency (docs/background.md: SLO-aware admission).
 
+Work-conserving: a class's reserved share is held back only while that class is active (work in flight
+or waiting, or within `reserve_memory_s` of its last request); otherwise it is lent to whoever waits, so
+one class alone uses every slot. A class that comes back while its lent slots are busy takes them back
+at once, over the capacity: the engine runs with that many extra sequences (`headroom_slots`) and with
+vLLM's priority scheduling, so the newcomer joins the next engine step and, should the KV cache run
+short, vLLM preempts the lowest class's work, not the newcomer's (docs/design/admission.md).
+
 `decide` is pure: a request and a snapshot of the load in, a verdict out. `AdmissionGate` holds the live
-state (slots in flight per class, the queues, moving averages of service time and prefill speed) and
-hands freed slots to gold before silver before bronze, first come first served within a class.
+state (slots in flight per class, the queues, when each class was last active, moving averages of
+service time and prefill speed) and hands freed slots to gold before silver before bronze, first come
+first served within a class.
 
 The gateway (`appliance.api.gateway`) takes a ticket before it sends a request to the engine and gives it
 back when the answer (or stream) ends; the daemon feeds the engine's KV usage in from its metrics.
@@ -15,6 +23,7 @@ back when the answer (or stream) ends; the daemon feeds the engine's KV usage in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
@@ -40,6 +49,7 @@ class AdmissionConfig:
     capacity: int  # requests the engine runs at once (the plan's max_num_seqs)
     classes: Mapping[str, ClassPolicy]
     kv_high_water: float = 0.95  # above this KV usage vLLM would preempt: no new admissions
+    reserve_memory_s: float = 5.0  # a reserved share stays held this long after its class's last request
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -54,11 +64,13 @@ class AdmissionConfig:
         return math.floor(self.classes[cls].reserved_share * self.capacity)
 
     @property
-    def shared_slots(self) -> int:
-        return self.capacity - sum(self.reserved_slots(c) for c in self.classes)
+    def headroom_slots(self) -> int:
+        """Sequences the engine needs beyond the capacity: every class taking back its lent share at once."""
+        return sum(self.reserved_slots(c) for c in self.classes)
 
-    def usable_slots(self, cls: str) -> int:
-        return self.reserved_slots(cls) + self.shared_slots
+    @property
+    def engine_max_num_seqs(self) -> int:
+        return self.capacity + self.headroom_slots
 
     @classmethod
     def from_section(cls, section: Any, capacity: int) -> AdmissionConfig:
@@ -68,6 +80,7 @@ class AdmissionConfig:
             classes={name: ClassPolicy(c.ttft_target_s, c.max_tokens, c.queue_limit, c.reserved_share)
                      for name, c in section.classes.items()},
             kv_high_water=section.kv_high_water,
+            reserve_memory_s=section.reserve_memory_s,
         )
 
 
@@ -78,6 +91,7 @@ class Load:
     service_time_s: float  # how long a request holds a slot (moving average)
     prefill_tokens_per_s: float  # moving average
     kv_usage: float = 0.0
+    recent: frozenset[str] = frozenset()  # classes active within reserve_memory_s, though idle now
 
 
 @dataclass(frozen=True)
@@ -97,13 +111,32 @@ class Verdict:
     retry_after_s: int | None = None
 
 
+def is_active(load: Load, cls: str) -> bool:
+    return load.in_flight.get(cls, 0) > 0 or load.queued.get(cls, 0) > 0 or cls in load.recent
+
+
+def held_back(cfg: AdmissionConfig, load: Load, cls: str) -> int:
+    """Free slots that other, active classes keep in reserve: the ones `cls` may not borrow."""
+    return sum(max(0, cfg.reserved_slots(c) - load.in_flight.get(c, 0))
+               for c in cfg.classes if c != cls and is_active(load, c))
+
+
+def usable_slots(cfg: AdmissionConfig, load: Load, cls: str) -> int:
+    """The slots a request of this class can get now: the capacity less what active classes hold back."""
+    return cfg.capacity - held_back(cfg, load, cls)
+
+
 def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str) -> bool:
+    in_flight = sum(load.in_flight.values())
+    if load.in_flight.get(cls, 0) < cfg.reserved_slots(cls):
+        # Its own reserve, lent out or not: taken back at once. Over the capacity the engine's headroom
+        # runs it, and with the KV cache nearly full vLLM preempts a lower class for it, which is the point.
+        lower = PRIORITY_CLASSES[PRIORITY_CLASSES.index(cls) + 1:]
+        preemptible = any(load.in_flight.get(c, 0) for c in lower)
+        return load.kv_usage < cfg.kv_high_water or preemptible
     if load.kv_usage >= cfg.kv_high_water:
         return False
-    if load.in_flight.get(cls, 0) < cfg.reserved_slots(cls):
-        return True
-    shared_used = sum(max(0, load.in_flight.get(c, 0) - cfg.reserved_slots(c)) for c in cfg.classes)
-    return shared_used < cfg.shared_slots
+    return in_flight < usable_slots(cfg, load, cls)
 
 
 def ahead_of(load: Load, cls: str) -> int:
@@ -127,8 +160,11 @@ def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
         return Verdict("reject", math.inf, 429, "queue_full",
                        f"the {req.cls} queue is full ({pol.queue_limit} waiting)",
                        max(1, math.ceil(load.service_time_s)))
-    # Slots free up at about usable / service_time per second; this request waits for position + 1 of them.
-    wait = (position + 1) * load.service_time_s / cfg.usable_slots(req.cls)
+    # Slots free up at about usable / service_time per second; this request waits for position + 1 of them,
+    # after those a class took back over the capacity have ended.
+    usable = max(1, usable_slots(cfg, load, req.cls))
+    over = max(0, sum(load.in_flight.values()) - usable)
+    wait = (position + 1 + over) * load.service_time_s / usable
     predicted = wait + prefill
     if predicted > pol.ttft_target_s:
         return Verdict("reject", predicted, 429, "ttft_target_unreachable",
@@ -161,12 +197,15 @@ class AdmissionGate:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.kv_usage = 0.0
         self.in_flight: dict[str, int] = {c: 0 for c in cfg.classes}
+        self._last_active: dict[str, float] = {}  # class -> when its last request ended
         self._waiters: dict[str, deque[asyncio.Future[Ticket]]] = {c: deque() for c in cfg.classes}
         self.on_decision: Callable[[str, str, str], None] = lambda cls, decision, code: None
 
     def load(self) -> Load:
+        now = self.clock()
+        recent = frozenset(c for c, t in self._last_active.items() if now - t < self.cfg.reserve_memory_s)
         return Load(dict(self.in_flight), {c: len(q) for c, q in self._waiters.items()}, self.service_time_s,
-                    self.prefill_tokens_per_s, self.kv_usage)
+                    self.prefill_tokens_per_s, self.kv_usage, recent)
 
     async def acquire(self, req: Request) -> Ticket:
         verdict = decide(self.cfg, self.load(), req)
@@ -177,6 +216,7 @@ class AdmissionGate:
             return self._take(req.cls)
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[req.cls].append(fut)
+        self._wake_when_reserves_lapse()
         budget = self.cfg.classes[req.cls].ttft_target_s - req.prompt_tokens / self.prefill_tokens_per_s
         try:
             # shield: a timeout or a cancelled caller must not cancel a slot handed over at the same moment
@@ -207,9 +247,11 @@ class AdmissionGate:
             return
         ticket.released = True
         self.in_flight[ticket.cls] -= 1
-        held = self.clock() - ticket.admitted_at
+        now = self._last_active[ticket.cls] = self.clock()
+        held = now - ticket.admitted_at
         self.service_time_s += self.alpha * (held - self.service_time_s)
         self._dispatch()
+        self._wake_when_reserves_lapse()
 
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
         # Short prompts measure the fixed cost of a step, not prefill speed: they would make every
@@ -224,6 +266,19 @@ class AdmissionGate:
     def _take(self, cls: str) -> Ticket:
         self.in_flight[cls] += 1
         return Ticket(cls, self.clock())
+
+    def _wake_when_reserves_lapse(self) -> None:
+        """A reserve held only by memory is lent when the memory runs out, which no release or arrival
+        marks: look at the queue again then."""
+        if not any(self._waiters.values()):
+            return
+        now = self.clock()
+        with contextlib.suppress(RuntimeError):  # no running loop: nobody can be waiting either
+            loop = asyncio.get_running_loop()
+            for cls, t in self._last_active.items():
+                left = t + self.cfg.reserve_memory_s - now
+                if left > 0 and self.cfg.reserved_slots(cls) and not self.in_flight[cls]:
+                    loop.call_later(left, self._dispatch)
 
     def _dispatch(self) -> None:
         for cls in PRIORITY_CLASSES:

@@ -239,7 +239,8 @@ class ClassSection(_Section):
     queue_limit: Annotated[int, Field(ge=0)] = Field(default=64,
         description="Requests of this class that may wait for a slot.")
     reserved_share: Annotated[float, Field(ge=0, lt=1)] = Field(default=0.0,
-        description="Share of capacity usable by this class only.")
+        description="Share of capacity held for this class while it is active, lent to the others while "
+                    "it is not, and taken back at once (the engine preempts lower classes) when it returns.")
 
 
 def _default_classes() -> dict[PriorityClass, ClassSection]:
@@ -260,6 +261,8 @@ class AdmissionSection(_Section):
         default="silver", description="Class of requests without a key (only possible on loopback).")
     kv_high_water: Annotated[float, Field(gt=0, le=1)] = Field(default=0.95,
         description="Above this KV usage nothing new is admitted (vLLM would preempt).")
+    reserve_memory_s: Annotated[float, Field(ge=0)] = Field(default=5.0,
+        description="How long a class's reserved share stays held after its last request ends.")
     classes: dict[PriorityClass, ClassSection] = Field(default_factory=_default_classes)
 
     @field_validator("classes", mode="before")

@@ -35,7 +35,7 @@ from appliance.api.schemas import validate_body
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
-from cascade.policy import Decision
+from cascade.policy import PRIORITY_CLASSES, Decision
 from cascade.service import Cascade
 
 _NOT_READY = {
@@ -195,6 +195,10 @@ class Gateway:
         rec, body = job.rec, job.body
         if job.stream and not job.client_wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if self.admission is not None:
+            # The class, not the client, sets the engine's priority (lower first); with admission on the
+            # engine runs vLLM's priority scheduling (engine.args.with_admission).
+            body["priority"] = PRIORITY_CLASSES.index(job.cls)
         job.flight.enter("admission")
         try:
             ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens))

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from appliance.admission import AdmissionConfig
 from appliance.config import Config
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
@@ -36,6 +37,7 @@ def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key:
     where they apply, --kv-cache-dtype, --speculative-config, parallelism): an explicit pool size,
     so the engine never profiles and guesses differently from the plan.
     """
+    plan_args = with_admission(cfg, plan_args)
     e = cfg.engine
     python = e.python or sys.executable
     argv = [
@@ -77,6 +79,24 @@ def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key:
     # backend (docs/engine-notes.md); the plan's figure must win.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     return EngineLaunch(argv=argv, env=env, port=port, internal_key=internal_key)
+
+
+def with_admission(cfg: Config, plan_args: Sequence[str]) -> list[str]:
+    """What admission needs of the engine: vLLM's priority scheduling, so the gateway's `priority` field (from
+    the request's class) orders the engine's queue and picks who is preempted, and room for the sequences
+    a class takes back over the capacity when it returns to its lent reserve (appliance.admission).
+
+    vLLM (0.32) never preempts to free a sequence slot, only KV blocks: without that room a returning gold
+    request would wait in the engine for a whole lower-class answer.
+    """
+    args = list(plan_args)
+    if not cfg.admission.enabled or "--max-num-seqs" not in args:
+        return args
+    i = args.index("--max-num-seqs") + 1
+    planned = int(args[i])
+    admission = AdmissionConfig.from_section(cfg.admission, planned)
+    args[i] = str(max(planned, admission.engine_max_num_seqs))
+    return [*args, "--scheduling-policy", "priority"]
 
 
 def describe(launch: EngineLaunch) -> str:

@@ -15,6 +15,7 @@ from appliance.admission import (
     Request,
     decide,
     has_free_slot,
+    usable_slots,
 )
 
 CFG = AdmissionConfig(
@@ -27,17 +28,48 @@ CFG = AdmissionConfig(
 )
 
 
-def load(in_flight=None, queued=None, service=2.0, prefill=1000.0, kv=0.0) -> Load:
-    return Load(in_flight or {}, queued or {}, service, prefill, kv)
+def load(in_flight=None, queued=None, service=2.0, prefill=1000.0, kv=0.0, recent=()) -> Load:
+    return Load(in_flight or {}, queued or {}, service, prefill, kv, frozenset(recent))
 
 
-def test_reserved_share_keeps_slots_for_gold():
-    assert CFG.reserved_slots("gold") == 3 and CFG.shared_slots == 7
-    full_of_bronze = load({"bronze": 7})
-    assert not has_free_slot(CFG, full_of_bronze, "bronze") and not has_free_slot(CFG, full_of_bronze, "silver")
-    assert has_free_slot(CFG, full_of_bronze, "gold")
-    assert not has_free_slot(CFG, load({"bronze": 7, "gold": 3}), "gold")
-    assert not has_free_slot(CFG, load(kv=0.97), "gold")  # KV nearly full: vLLM would preempt
+def test_one_class_alone_uses_every_slot():
+    assert has_free_slot(CFG, load({"bronze": 9}), "bronze")
+    assert not has_free_slot(CFG, load({"bronze": 10}), "bronze")
+    assert usable_slots(CFG, load({"silver": 3}), "silver") == 10
+
+
+def test_a_reserved_share_holds_while_its_class_is_active():
+    assert CFG.reserved_slots("gold") == 3
+    # Gold has one request in flight: two more of its slots stay free for it.
+    assert has_free_slot(CFG, load({"gold": 1, "bronze": 6}), "bronze")
+    assert not has_free_slot(CFG, load({"gold": 1, "bronze": 7}), "bronze")
+    # ... and for reserve_memory_s after its last request ended, or while gold waits.
+    assert not has_free_slot(CFG, load({"bronze": 7}, recent={"gold"}), "silver")
+    assert not has_free_slot(CFG, load({"bronze": 7}, {"gold": 1}), "silver")
+    assert has_free_slot(CFG, load({"bronze": 7}), "silver")  # gold idle: its share is lent
+
+
+def test_a_class_takes_its_lent_reserve_back_at_once_over_the_capacity():
+    full_of_bronze = load({"bronze": 10})
+    assert has_free_slot(CFG, full_of_bronze, "gold") and not has_free_slot(CFG, full_of_bronze, "silver")
+    assert not has_free_slot(CFG, load({"bronze": 10, "gold": 3}), "gold")  # its whole reserve taken back
+    assert CFG.engine_max_num_seqs == 13  # so the engine has room for all three
+
+
+def test_nearly_full_kv_admits_only_what_can_preempt_a_lower_class():
+    assert not has_free_slot(CFG, load(kv=0.97), "bronze")
+    assert not has_free_slot(CFG, load(kv=0.97), "gold")  # nothing lower to preempt: vLLM would preempt gold
+    assert has_free_slot(CFG, load({"bronze": 2}, kv=0.97), "gold")
+
+
+def test_the_wait_is_predicted_on_the_real_capacity():
+    # The case: 16 slots all silver, 16 silver waiting, a 3.3 s answer; gold idle, its share lent.
+    cfg = AdmissionConfig(16, {"gold": ClassPolicy(2.0, None, 64, 0.25), "silver": ClassPolicy(5.0, None, 64)})
+    v = decide(cfg, load({"silver": 16}, {"silver": 16}, service=3.3), Request("silver", 0))
+    assert v.action == "queue" and v.predicted_ttft_s == pytest.approx(17 * 3.3 / 16)
+    # Requests of a class that took its reserve back over the capacity end before a slot frees for others.
+    v = decide(cfg, load({"silver": 16, "gold": 4}, service=3.3), Request("silver", 0))
+    assert v.predicted_ttft_s == pytest.approx((1 + 4) * 3.3 / 16)
 
 
 def test_admit_when_a_slot_is_free_and_nobody_waits():
@@ -57,10 +89,10 @@ def test_queue_when_the_target_can_still_be_met():
 
 
 def test_refuse_at_once_when_the_target_cannot_be_met():
-    v = decide(CFG, load({"bronze": 7}, {"silver": 20}, service=3.0), Request("bronze", 100))
-    predicted = 21 * 3.0 / 7 + 0.1
+    v = decide(CFG, load({"bronze": 10}, {"silver": 20}, service=5.0), Request("bronze", 100))
+    predicted = 21 * 5.0 / 10 + 0.1
     assert (v.action, v.status, v.code) == ("reject", 429, "ttft_target_unreachable")
-    assert v.predicted_ttft_s == pytest.approx(predicted) and v.retry_after_s == 2  # ceil(9.1 - 8)
+    assert v.predicted_ttft_s == pytest.approx(predicted) and v.retry_after_s == 3  # ceil(10.6 - 8)
     assert "exceeds the bronze target 8s" in v.message
 
 
@@ -146,3 +178,20 @@ def test_service_time_average_follows_releases():
     gate.release(t)
     gate.release(t)  # twice is harmless
     assert gate.service_time_s == 2.0 and gate.in_flight["gold"] == 0
+
+
+def test_a_reserve_is_lent_to_the_queue_when_its_class_has_been_away_long_enough():
+    cfg = AdmissionConfig(capacity=2, reserve_memory_s=0.3, classes={
+        "gold": ClassPolicy(5.0, 100, 10, reserved_share=0.5), "silver": ClassPolicy(5.0, 100, 10)})
+
+    async def scenario() -> tuple[bool, bool]:
+        gate = AdmissionGate(cfg, service_time_s=0.1, prefill_tokens_per_s=1e6)
+        gate.release(await gate.acquire(Request("gold", 1)))  # gold was here a moment ago
+        await gate.acquire(Request("silver", 1))
+        second = asyncio.create_task(gate.acquire(Request("silver", 1)))
+        await asyncio.sleep(0.1)
+        held_for_gold = not second.done()
+        await asyncio.wait_for(second, 2.0)  # woken when gold's memory runs out, not by another release
+        return held_for_gold, second.done()
+
+    assert asyncio.run(scenario()) == (True, True)

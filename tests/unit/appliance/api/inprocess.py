@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from appliance import config, keys
+from appliance.admission import AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.gateway import Gateway, GatewaySettings
 from appliance.engine.supervisor import EngineSupervisor
@@ -31,13 +32,13 @@ def app(tmp_path: Path, required: bool, ttl: float = 5.0):
 
 
 def gateway(tmp_path: Path, required: bool, ttl: float = 5.0,
-            transport: httpx.AsyncBaseTransport | None = None) -> InProcess:
+            transport: httpx.AsyncBaseTransport | None = None, admission: AdmissionGate | None = None) -> InProcess:
     """The app and the gateway behind it; `transport` stands in for the engine's port."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     log = RequestLog(cfg.database_path, keep_text=False)
     log.start()
     gw = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics(),
-                 transport=transport)
+                 admission=admission, transport=transport)
     application = create_app(gw, plan=lambda: {"fits": True},
                              verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl), keys_required=required)
     return InProcess(cfg, application, log, gw)

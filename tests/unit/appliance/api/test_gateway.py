@@ -84,3 +84,34 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
     assert gw.metrics.ttft.labels("/v1/completions", "silver")._sum.get() > 0
     assert after["data"] == [] and after["engine_local_in_flight"] == 0
     assert failed.status_code == 500 and after_error["data"] == []
+
+
+def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
+    """vLLM's priority scheduling orders its queue and picks whom to preempt by the request's `priority`
+    (lower first): the gateway sets it from the key's class, and a client cannot raise its own."""
+    from appliance import keys
+    from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.engine.args import build_launch
+    from appliance.engine.supervisor import EngineState
+    from tests.unit.appliance.api.inprocess import call, gateway
+
+    seen: list[object] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content).get("priority"))
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
+
+    gate = AdmissionGate(AdmissionConfig(4, {c: ClassPolicy(5.0, None, 8) for c in ("gold", "silver", "bronze")}))
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=gate)
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.status.state = EngineState.READY
+    gold = keys.create(made.cfg.database_path, "g", priority_class="gold")[1]
+    bronze = keys.create(made.cfg.database_path, "b", priority_class="bronze")[1]
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1, "priority": -100}
+    try:
+        statuses = [call(made.app, "POST", "/v1/completions", key, json=body).status_code
+                    for key in (gold, None, bronze)]
+    finally:
+        made.log.close()
+    assert statuses == [200, 200, 200]
+    assert seen == [0, 1, 2]  # gold, silver (no key), bronze

@@ -25,7 +25,7 @@ def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--kv-cache-memory-bytes") == str(3 * 1024**3)
     assert _flag(argv, "--max-model-len") == "4096"
-    assert _flag(argv, "--max-num-seqs") == "8"
+    assert _flag(argv, "--max-num-seqs") == "10"  # 8 planned, and 2 for gold's reserve taken back
     assert _flag(argv, "--model") == "/models/smol"
     assert _flag(argv, "--served-model-name") == "smol"
     assert _flag(argv, "--host") == "127.0.0.1" and _flag(argv, "--port") == "41000"
@@ -55,3 +55,14 @@ def test_extra_args_and_eager_are_appended():
     launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), PLAN_ARGS, port=1, internal_key="k",
                           base_env={})
     assert launch.argv[-3:] == ["--enforce-eager", "--seed", "7"]
+
+
+def test_admission_turns_on_priority_scheduling_with_room_for_the_reserve_taken_back():
+    # The default classes: gold reserves a quarter of 8 slots, 2, which the engine must be able to run
+    # beyond the 8 the others may fill.
+    argv = build_launch(_cfg(), PLAN_ARGS, port=1, internal_key="k", base_env={}).argv
+    assert _flag(argv, "--scheduling-policy") == "priority"
+    assert _flag(argv, "--max-num-seqs") == "10"
+    cfg = config.parse('[model]\npath = "/m"\n[admission]\nenabled = false\n')
+    argv = build_launch(cfg, PLAN_ARGS, port=1, internal_key="k", base_env={}).argv
+    assert "--scheduling-policy" not in argv and _flag(argv, "--max-num-seqs") == "8"
