@@ -1,7 +1,7 @@
 """Admission control against the real engine: gold first, bronze refused early, the class token limit.
 
-A dedicated appliance with room for two requests at once (gold holds one of them in reserve), so
-overload takes a handful of requests rather than hundreds. It plans for a code workload, so the engine
+A dedicated appliance with room for two requests at once (gold holds one of them in reserve while it is
+active, and lends it otherwise), so overload takes a handful of requests rather than hundreds. It plans for a code workload, so the engine
 runs n-gram speculative decoding: the last test, the doctor turning decayed speculation off, shares
 this engine rather than paying for another start. The doctor acts only once that test switches it on
 (a reload): before, its judgement of the other tests' traffic could relaunch the engine under them.
@@ -40,6 +40,7 @@ check_interval_s = 2
 
 [admission]
 anonymous_class = "silver"
+reserve_memory_s = 1
 
 [admission.classes.gold]
 ttft_target_s = 120
@@ -236,15 +237,44 @@ def test_a_client_leaving_the_queue_gives_its_place_up(small):
     queued = lambda: _metric(app, r'^appliance_admission_queue_depth\{class="silver"\} (\S+)$')
     in_flight = lambda: _metric(app, r'^appliance_admission_in_flight\{class="silver"\} (\S+)$')
     wait_for(lambda: in_flight() == 0, 60, what="an idle gate", explain=explain)
-    with _holding_a_slot(app, secret["silver"]):  # the only slot silver may use
-        wait_for(lambda: in_flight() == 1, 60, what="silver to hold the shared slot", explain=explain)
+    with _holding_a_slot(app, secret["silver"]), _holding_a_slot(app, secret["silver"]):  # every slot
+        wait_for(lambda: in_flight() == 2, 60, what="silver to hold both slots", explain=explain)
         body = {"model": app.served_name, "prompt": "hi", "max_tokens": 2}
         with send_raw(app.port, "/v1/completions", body, {"Authorization": f"Bearer {secret['silver']}"}):
-            wait_for(lambda: queued() == 1, 60, what="the second silver request to queue", explain=explain)
+            wait_for(lambda: queued() == 1, 60, what="the third silver request to queue", explain=explain)
         # The client went away while queued: its place is given up, not served to nobody.
         wait_for(lambda: queued() == 0, 30, what="the abandoned request to leave the queue", explain=explain)
-        assert in_flight() == 1
-    wait_for(lambda: in_flight() == 0, 60, what="the slot to free", explain=explain)
+        assert in_flight() == 2
+    wait_for(lambda: in_flight() == 0, 60, what="the slots to free", explain=explain)
+
+
+def test_gold_takes_its_lent_reserve_back_without_waiting_for_an_answer(small):
+    """Silver alone uses every slot, gold's reserved one included (gold is idle: it is lent). Gold then
+    arrives and is served at once, next to both silver streams, not after one of them ends: the gateway
+    admits it over the capacity and the engine has room for it (engine.args.with_admission).
+
+    The silver streams are 8000 tokens long, so a gold request that waited for a silver answer would not
+    be answered before they are let go. Its time to first token is compared with the engine's step
+    (silver's median gap between chunks) measured in the same run.
+    """
+    app, secret = small
+    explain = partial(snapshot, app)
+    in_flight = lambda cls: _metric(app, rf'^appliance_admission_in_flight\{{class="{cls}"\}} (\S+)$')
+    wait_for(lambda: in_flight("silver") + in_flight("gold") == 0, 60, what="an idle gate", explain=explain)
+    time.sleep(1.5)  # past gold's reserve_memory_s from the tests before
+    with _holding_a_slot(app, secret["silver"]) as first, _holding_a_slot(app, secret["silver"]) as second:
+        wait_for(lambda: in_flight("silver") == 2, 60, what="silver to hold every slot", explain=explain)
+        gold = _stream(app, secret["gold"], 4)
+        assert gold["status"] == 200, gold
+        wait_for(lambda: min(first.chunks[-1], second.chunks[-1]) > gold["answered"], 30,
+                 what="both silver streams to go on after gold's answer", explain=explain)
+        gaps = sorted(b - a for a, b in zip(first.chunks, first.chunks[1:]) if a > gold["sent"] - 5)
+    step = gaps[len(gaps) // 2]
+    ttft = gold["first_token"] - gold["sent"]
+    # One step to join the batch plus its own short prefill: a few steps, far from a silver answer's 8000.
+    assert ttft < 40 * step, f"gold's first token after {ttft:.3f}s, {ttft / step:.0f} engine steps of {step:.3f}s"
+    decisions = r'^appliance_admission_decisions_total\{{class="{}",code="{}",decision="{}"\}} (\S+)$'
+    assert _metric(app, decisions.format("gold", "", "admit")) >= 1
 
 
 def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):
