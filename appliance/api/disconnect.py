@@ -11,18 +11,18 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from appliance.admission import AdmissionRejected
+from appliance.api.upstream import UPSTREAM_ERRORS, Upstream
 
 
 class ClientGone(Exception):
     """The client disconnected while the gateway waited on its behalf."""
 
 
-async def _close_response(res: httpx.Response) -> None:
+async def _close_response(res: Upstream) -> None:
     await res.aclose()
 
 
@@ -37,7 +37,7 @@ async def race_disconnect(request: Request, work: Awaitable[Any],
         if task in done:
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, AdmissionRejected):
+        with contextlib.suppress(asyncio.CancelledError, AdmissionRejected, *UPSTREAM_ERRORS):
             res = await task
             if res is not None:
                 await discard(res)
@@ -54,7 +54,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def read_or_leave(request: Request, upstream: httpx.Response) -> bytes:
+async def read_or_leave(request: Request, upstream: Upstream) -> bytes:
     """The whole upstream body unless the client leaves first; the upstream is closed either way."""
     try:
         return await race_disconnect(request, upstream.aread())

@@ -32,6 +32,7 @@ from appliance.api.recording import Recorder
 from appliance.api.relay import relay
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
+from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
@@ -73,6 +74,8 @@ class Gateway:
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
             transport=transport,
         )
+        # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why).
+        self.engine = EngineLink(settings.upstream_timeout_s, transport)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
         self._local: set[Lease] = set()
         self._idle = asyncio.Event()
@@ -84,6 +87,7 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.engine.aclose()
 
     # -- the local engine's leases ----------------------------------------------------------
 
@@ -234,15 +238,14 @@ class Gateway:
 
     async def _forward(self, request: Request, base: str, job: Job, lease: Lease, admitted: float) -> Response:
         rec, t0 = job.rec, job.t0
-        upstream_req = self.client.build_request(
-            "POST", f"{base}{rec.route}", content=json.dumps(job.body).encode(), headers=self._auth(rec.id))
         job.flight.enter("engine")
         try:
-            upstream = await race_disconnect(request, self.client.send(upstream_req, stream=True))
+            upstream = await race_disconnect(
+                request, self.engine.post(f"{base}{rec.route}", json.dumps(job.body).encode(), self._auth(rec.id)))
         except ClientGone:
             lease.end()
             return self.recorder.client_gone(rec, t0)
-        except httpx.HTTPError as e:
+        except UPSTREAM_ERRORS as e:
             lease.end()
             raise self.recorder.failed(rec, t0, self._unreachable(e)) from None
 
@@ -255,7 +258,7 @@ class Gateway:
                 content = await read_or_leave(request, upstream)
             except ClientGone:
                 return self.recorder.client_gone(rec, t0)
-            except httpx.HTTPError:
+            except UPSTREAM_ERRORS:
                 content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
                                                 "engine_error")).encode()
                 return self.recorder.finish(rec, t0, 502, content, headers)

@@ -18,12 +18,11 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
-
 from appliance.api import answers
 from appliance.api.errors import error_body
 from appliance.api.inflight import Flight
 from appliance.api.recording import completion_text, take_usage
+from appliance.api.upstream import UPSTREAM_ERRORS
 from appliance.store import RequestRecord
 from cascade import signals
 
@@ -69,7 +68,7 @@ async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None
                 flight.sent()
         if buf:
             yield buf
-    except httpx.HTTPError as e:
+    except UPSTREAM_ERRORS as e:
         # The engine went away mid-answer: end the stream with an error event the
         # OpenAI client raises on, instead of a silent truncation.
         rec.status, rec.error_code = 502, "engine_stream_broken"
