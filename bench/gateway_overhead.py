@@ -1,50 +1,67 @@
-"""What the appliance's gateway costs: the same streaming workload sent straight to the vLLM port and
-through the appliance, interleaved in one run against one engine.
+"""What the appliance's gateway costs next to a reverse proxy: the same streaming chat workload sent
+straight to the engine's port, through nginx, and through the appliance, interleaved in one run on
+one engine.
 
-    python bench/gateway_overhead.py [--requests 200] [--levels 1,8,32] [--max-tokens 16] [--rounds 4]
-                                     [--without-admission]
+    python bench/gateway_overhead.py [--levels 1,8,16,32] [--max-tokens 64] [--rounds 3]
 
-Prints per concurrency level and path: p50/p99 time to first token and total latency, output tokens/s,
-and the appliance/direct ratios. Goals (issue 2): added p50 latency under 1 ms, throughput at least 97%
-of direct at 32 streams. Rounds alternate direct and appliance so drift in the machine hits both.
+The appliance runs `make run`'s configuration (dev/appliance.toml: admission on, gold reserving a
+quarter of the slots) with only its ports and folders moved. Four paths per concurrency level:
+  direct     the vLLM port, with the engine's key
+  nginx      Debian's nginx (nginx-light), started here with a generated config: keep-alive upstream,
+             no buffering. Skipped, and said so, when /usr/sbin/nginx is missing.
+  appliance  the appliance without a key: every request in the anonymous class (single-class traffic)
+  classes    the appliance with keys of gold, silver and bronze in turn (admission classes in use)
+Rounds rotate the paths' order so drift in the machine hits them all. Prints p50/p99 time to first
+token, tok/s, and per path the ratios to direct, the TTFT deltas and CPU per request of the process in
+front of the engine (the appliance, or nginx's workers), then the issue's goals, met or missed:
+  tok/s ratio at least nginx's minus 0.02 at every level; p99 TTFT within 1.2x of direct while the
+  load is within the engine's slots; at most 2 ms gateway CPU per streamed request; p50 TTFT at most
+  +1 ms at one stream.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 import psutil
+import tomli_w
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support import start_appliance
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from appliance import keys  # noqa: E402
+from tests.support import default_model_path, free_port, launch_appliance, shared_engine_cache  # noqa: E402
 
 PROMPTS = ["Hello!", "Name a colour.", "What is 2+2?", "Say something nice.", "Capital of Italy?"]
+NGINX = Path("/usr/sbin/nginx")
+CLASSES = ("gold", "silver", "bronze")
 
 
 @dataclass
 class Sample:
     ttft: list[float] = field(default_factory=list)
-    total: list[float] = field(default_factory=list)
     tokens: int = 0
     wall: float = 0.0
     errors: int = 0
     requests: int = 0
-    cpu: dict[str, float] = field(default_factory=dict)  # process name -> CPU seconds during this path's batches
+    cpu: float = 0.0  # CPU seconds of the process in front of the engine during this path's batches
 
 
-def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    out = {}
-    for name, p in procs.items():
-        t = p.cpu_times()
-        out[name] = t.user + t.system
-    return out
+@dataclass
+class Route:
+    name: str
+    url: str
+    headers: list[dict[str, str]]  # one per request, in turn
+    front: list[psutil.Process]  # whose CPU is the path's overhead (none for direct)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -54,113 +71,208 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int, s: Sample) -> None:
-    body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+def cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+async def one(session: aiohttp.ClientSession, path: Route, model: str, i: int, max_tokens: int, s: Sample) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    first = None
-    n = 0
+    first, n = None, 0
     try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
+        async with session.post(path.url, json=body, headers=path.headers[i % len(path.headers)]) as r:
+            if r.status != 200:
                 s.errors += 1
-                await r.aread()
+                await r.read()
                 return
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"choices":[{' in line:  # one token per event here
+            async for line in r.content:  # one token per event here
+                if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
                     n += 1
                     if first is None:
                         first = time.perf_counter()
-    except httpx.HTTPError:
+    except aiohttp.ClientError:
         s.errors += 1
         return
-    end = time.perf_counter()
-    s.ttft.append((first or end) - t0)
-    s.total.append(end - t0)
+    s.ttft.append((first or time.perf_counter()) - t0)
     s.tokens += n
 
 
-async def batch(client: httpx.AsyncClient, url: str, model: str, n: int, conc: int, max_tokens: int, s: Sample,
-                procs: dict[str, psutil.Process] | None = None) -> None:
+async def batch(session: aiohttp.ClientSession, path: Route, model: str, start: int, n: int, conc: int,
+                max_tokens: int, s: Sample) -> None:
     sem = asyncio.Semaphore(conc)
 
     async def guarded(i: int) -> None:
         async with sem:
-            await one(client, url, model, i, max_tokens, s)
+            await one(session, path, model, i, max_tokens, s)
 
-    before = cpu_seconds(procs or {})
+    before = cpu(path.front)
     t0 = time.perf_counter()
-    await asyncio.gather(*(guarded(i) for i in range(n)))
+    await asyncio.gather(*(guarded(start + i) for i in range(n)))
     s.wall += time.perf_counter() - t0
     s.requests += n
-    for name, v in cpu_seconds(procs or {}).items():
-        s.cpu[name] = s.cpu.get(name, 0.0) + v - before[name]
+    s.cpu += cpu(path.front) - before
+
+
+def start_nginx(tmp: Path, engine_port: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    (tmp / "nginx").mkdir()
+    conf = tmp / "nginx" / "nginx.conf"
+    # One worker, as the appliance is one process; buffering off so each event passes as it comes.
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx/nginx.pid;
+error_log {tmp}/nginx/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx/body;
+    proxy_temp_path {tmp}/nginx/proxy;
+    fastcgi_temp_path {tmp}/nginx/fastcgi;
+    uwsgi_temp_path {tmp}/nginx/uwsgi;
+    scgi_temp_path {tmp}/nginx/scgi;
+    upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 128; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+""")
+    proc = subprocess.Popen([str(NGINX), "-c", str(conf), "-p", str(tmp / "nginx")])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2):
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"nginx did not start: {(tmp / 'nginx' / 'error.log').read_text()}")
+
+
+def default_config(tmp: Path) -> Path:
+    """dev/appliance.toml as `make run` uses it, with ports and folders of this run's own."""
+    cfg = tomllib.loads((REPO / "dev" / "appliance.toml").read_text())
+    cfg["model"]["path"] = str(default_model_path())
+    cfg["server"]["port"] = free_port()
+    cfg["state"]["directory"] = str(tmp / "state")
+    cfg["engine"]["port"] = free_port()
+    cfg["engine"]["cache_dir"] = str(shared_engine_cache())  # compiled kernels shared with the tests
+    path = tmp / "appliance.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    return path
 
 
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gw-"))
-    # The bench's requests come without a key, so they take the anonymous class. Gold: admission runs
-    # (its cost is measured) but holds no slots back, which silver's default would (a quarter reserved for
-    # gold), queueing a quarter of 32 streams in the gateway and measuring policy, not overhead.
-    admission = "enabled = false" if args.without_admission else 'anonymous_class = "gold"'
-    app = start_appliance(tmp, enforce_eager=False, max_num_seqs=max(args.levels), extra=f"[admission]\n{admission}\n")
+    cfg_path = default_config(tmp)
+    db = tmp / "state" / "appliance.db"
+    db.parent.mkdir(parents=True)
+    secrets = [keys.create(db, f"bench-{c}", priority_class=c)[1] for c in CLASSES]
+    app = launch_appliance(cfg_path, tmp)
+    nginx = None
     try:
-        print(f"starting the appliance and engine (log: {app.log_path}) ...", flush=True)
+        print(f"starting the appliance on {cfg_path} (dev/appliance.toml's settings; log: {app.log_path}) ...",
+              flush=True)
         app.wait_ready(900)
-        key = (tmp / "state" / "engine.key").read_text().strip()
-        paths = {
-            "direct": (f"{app.engine_url}/v1/completions", {"Authorization": f"Bearer {key}"}),
-            "appliance": (f"{app.url}/v1/completions", {}),
-        }
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        clients = {name: httpx.AsyncClient(headers=h, timeout=300, limits=limits) for name, (_, h) in paths.items()}
-        engine_front = next(p for p in app.engine_processes() if "api_server" in " ".join(p.cmdline()))
-        procs = {"appliance": psutil.Process(app.proc.pid), "vllm-api": engine_front}
-        # warm both paths (connections, engine caches)
-        for name, (url, _) in paths.items():
-            await batch(clients[name], url, app.served_name, 8, 8, args.max_tokens, Sample())
+        slots = tomllib.loads(cfg_path.read_text())["engine"]["max_num_seqs"]
+        engine_key = (tmp / "state" / "engine.key").read_text().strip()
+        direct_auth = [{"Authorization": f"Bearer {engine_key}"}]
+        paths = [Route("direct", f"{app.engine_url}/v1/chat/completions", direct_auth, [])]
+        if NGINX.exists():
+            nginx, nginx_port = start_nginx(tmp, app.engine_port)
+            paths.append(Route("nginx", f"http://127.0.0.1:{nginx_port}/v1/chat/completions", direct_auth,
+                               [psutil.Process(nginx.pid)]))
+        else:
+            print(f"nginx: {NGINX} not found (apt-get install nginx-light); that path is left out")
+        me = [psutil.Process(app.proc.pid)]
+        paths.append(Route("appliance", f"{app.url}/v1/chat/completions", [{}], me))
+        paths.append(Route("classes", f"{app.url}/v1/chat/completions",
+                           [{"Authorization": f"Bearer {s}"} for s in secrets], me))
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                        timeout=aiohttp.ClientTimeout(total=600))
+        for p in paths:  # warm every path (connections, engine caches)
+            await batch(session, p, app.served_name, 0, 8, 8, args.max_tokens, Sample())
+        if nginx is not None:  # its worker, which does the proxying, is there by now
+            paths[1].front.extend(psutil.Process(nginx.pid).children())
 
-        print(f"\n{args.requests} requests per path and level, {args.max_tokens} output tokens each, "
-              f"{args.rounds} interleaved rounds\n")
-        hdr = f"{'streams':>7} {'path':>9} {'ttft p50':>9} {'ttft p99':>9} {'total p50':>10} {'total p99':>10} {'tok/s':>8} {'err':>4}"
+        before, t0 = cpu(me), time.perf_counter()
+        await asyncio.sleep(10)
+        idle_ms_per_s = 1e3 * (cpu(me) - before) / (time.perf_counter() - t0)
+        print(f"appliance idle (metrics polling, watchdog, loop monitor): {idle_ms_per_s:.1f} ms CPU per second; "
+              "cpu/req below includes it")
+        print(f"\n{args.max_tokens} output tokens per request (greedy chat), {args.rounds} interleaved rounds, "
+              f"engine slots {slots}\n")
+        hdr = f"{'streams':>7} {'path':>9} {'reqs':>5} {'ttft p50':>9} {'ttft p99':>9} {'tok/s':>8} {'err':>4} {'cpu/req':>8}"
         print(hdr)
         print("-" * len(hdr))
+        verdicts: list[str] = []
         for conc in args.levels:
-            results = {name: Sample() for name in paths}
-            per_round = max(1, args.requests // args.rounds)
+            results = {p.name: Sample() for p in paths}
+            per_round = max(conc, -(-max(16, 3 * conc) // args.rounds))
             for rnd in range(args.rounds):
-                order = list(paths) if rnd % 2 == 0 else list(reversed(paths))
-                for name in order:
-                    await batch(clients[name], paths[name][0], app.served_name, per_round, conc, args.max_tokens,
-                                results[name], procs)
-            for name, s in results.items():
-                print(f"{conc:>7} {name:>9} {pct(s.ttft, 50)*1e3:>8.1f}ms {pct(s.ttft, 99)*1e3:>8.1f}ms "
-                      f"{pct(s.total, 50)*1e3:>9.1f}ms {pct(s.total, 99)*1e3:>9.1f}ms {s.tokens / s.wall:>8.1f} "
-                      f"{s.errors:>4}")
-            d, a = results["direct"], results["appliance"]
-            added_ttft = (pct(a.ttft, 50) - pct(d.ttft, 50)) * 1e3
-            added_total = (pct(a.total, 50) - pct(d.total, 50)) * 1e3
-            thr = (a.tokens / a.wall) / (d.tokens / d.wall)
-            a_cpu = 1e3 * a.cpu["appliance"] / a.requests
-            v_cpu = 1e3 * a.cpu["vllm-api"] / a.requests
-            print(f"{conc:>7} {'cpu':>9} appliance {a_cpu:.2f} ms CPU per request vs vLLM's own API server "
-                  f"{v_cpu:.2f} ms ({a_cpu / v_cpu:.2f}x); both share the one core the engine leaves free")
-            print(f"{conc:>7} {'ratio':>9} ttft p50 {pct(a.ttft, 50) / pct(d.ttft, 50):.3f}x (+{added_ttft:.2f} ms), "
-                  f"total p50 {pct(a.total, 50) / pct(d.total, 50):.3f}x (+{added_total:.2f} ms), "
-                  f"throughput {thr:.3f}x of direct\n", flush=True)
-        for c in clients.values():
-            await c.aclose()
+                order = paths[rnd % len(paths):] + paths[: rnd % len(paths)]
+                for p in order:
+                    await batch(session, p, app.served_name, rnd * per_round, per_round, conc, args.max_tokens,
+                                results[p.name])
+            d = results["direct"]
+            d_rate = d.tokens / d.wall
+            for p in paths:
+                s = results[p.name]
+                cpu_ms = f"{1e3 * s.cpu / s.requests:.2f}ms" if p.front else "-"
+                print(f"{conc:>7} {p.name:>9} {s.requests:>5} {pct(s.ttft, 50) * 1e3:>8.1f}ms "
+                      f"{pct(s.ttft, 99) * 1e3:>8.1f}ms {s.tokens / s.wall:>8.1f} {s.errors:>4} {cpu_ms:>8}")
+            nginx_ratio = results["nginx"].tokens / results["nginx"].wall / d_rate if "nginx" in results else 1.0
+            for name in [p.name for p in paths if p.name != "direct"]:
+                s = results[name]
+                ratio = s.tokens / s.wall / d_rate
+                p50 = (pct(s.ttft, 50) - pct(d.ttft, 50)) * 1e3
+                p99 = pct(s.ttft, 99) / pct(d.ttft, 99)
+                print(f"{conc:>7} {name:>9} tok/s {ratio:.3f}x of direct, ttft p50 {p50:+.2f} ms, "
+                      f"p99 {p99:.2f}x of direct")
+                if name == "appliance":
+                    verdicts.append(_goal(f"{conc:>2} streams: tok/s ratio {ratio:.3f} >= nginx's {nginx_ratio:.3f} - 0.02",
+                                          ratio >= nginx_ratio - 0.02))
+                    if conc <= slots:
+                        verdicts.append(_goal(f"{conc:>2} streams: p99 TTFT {p99:.2f}x of direct <= 1.2x", p99 <= 1.2))
+                    cpu_ms = 1e3 * s.cpu / s.requests
+                    verdicts.append(_goal(f"{conc:>2} streams: gateway CPU {cpu_ms:.2f} ms per request <= 2 ms",
+                                          cpu_ms <= 2.0))
+                    if conc == 1:
+                        verdicts.append(_goal(f" 1 stream: p50 TTFT {p50:+.2f} ms <= +1 ms", p50 <= 1.0))
+            print(flush=True)
+        print("goals (single-class traffic, the default configuration):")
+        for v in verdicts:
+            print("  " + v)
+        await session.close()
     finally:
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(10)
         app.stop()
+
+
+def _goal(what: str, met: bool) -> str:
+    return f"{what}: {'met' if met else 'MISSED'}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--without-admission", action="store_true", help="turn admission control off in the gateway")
+    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
     asyncio.run(run(ap.parse_args()))
 
 

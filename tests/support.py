@@ -231,7 +231,11 @@ RUNNING: list[RunningAppliance] = []
 
 
 def start_appliance(directory: Path, env: dict[str, str] | None = None, **config_kwargs) -> RunningAppliance:
-    cfg_path = write_config(directory, **config_kwargs)
+    return launch_appliance(write_config(directory, **config_kwargs), directory, env)
+
+
+def launch_appliance(cfg_path: Path, directory: Path, env: dict[str, str] | None = None) -> RunningAppliance:
+    """`appliance serve` on a configuration file that names its ports; its log goes to directory."""
     import tomllib
 
     raw = tomllib.loads(cfg_path.read_text())
