@@ -38,6 +38,7 @@ test-unit: setup
 # Each benchmark prints ratios measured side by side in one run (docs/testing.md: Benchmarks; bench/RESULTS.md keeps the runs).
 bench: model bench-deps
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/upstream_clients.py
 	$(PY) bench/overload.py
 	$(PY) bench/outbox.py
 	$(PY) bench/cascade_eval.py

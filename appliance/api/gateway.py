@@ -74,8 +74,9 @@ class Gateway:
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
             transport=transport,
         )
-        # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why).
-        self.engine = EngineLink(settings.upstream_timeout_s, transport)
+        # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why), unless a
+        # test's transport stands in for the engine.
+        self.engine = EngineLink(settings.upstream_timeout_s, self.client if transport is not None else None)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
         self._local: set[Lease] = set()
         self._idle = asyncio.Event()

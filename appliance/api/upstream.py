@@ -1,12 +1,12 @@
 """The generation requests' way to the engine's port: aiohttp, not httpx.
 
-Measured (bench/gateway_overhead.py --client-only): relaying one 64-chunk SSE answer costs the client
-about 6.9 ms of CPU with httpx and 2.1 ms with aiohttp, where httpx spends it on anyio cancel scopes and
-its pure-Python HTTP/1.1 parser for every chunk read. Everything infrequent (the model list, the
-engine's /metrics) stays on httpx.
+Measured with `python bench/upstream_clients.py` (2026-11-23, bench/RESULTS.md): reading one 64-event SSE
+answer costs the client 5.8 ms of CPU with httpx and 1.5 ms with aiohttp, where httpx spends it on anyio cancel scopes and its
+pure-Python HTTP/1.1 parser for every chunk read. Everything infrequent (the model list, the engine's
+/metrics) stays on the gateway's httpx client.
 
-A test that stands in for the engine hands in an httpx transport (httpx.MockTransport): then the same
-interface runs over httpx. Both answer with an `Upstream`: a status, the raw body as it arrives, the whole
+A test that stands in for the engine gives the gateway an httpx transport (httpx.MockTransport): then
+the same interface runs over the gateway's httpx client, which carries that transport. Both answer with an `Upstream`: a status, the raw body as it arrives, the whole
 body, and a close that drops the connection when the body was not read to its end, which is how vLLM
 learns to abort the request.
 """
@@ -56,9 +56,10 @@ class _AiohttpUpstream:
 class EngineLink:
     """POST a generation request to the engine and get its answer as it streams."""
 
-    def __init__(self, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, timeout_s: float, stand_in: httpx.AsyncClient | None = None) -> None:
+        """stand_in: an httpx client to use instead of aiohttp (a test's fake engine); not closed here."""
         self._timeout_s = timeout_s
-        self._httpx = httpx.AsyncClient(timeout=timeout_s, transport=transport) if transport is not None else None
+        self._httpx = stand_in
         self._session: aiohttp.ClientSession | None = None  # made on first use: it binds to the running loop
 
     def _aiohttp(self) -> aiohttp.ClientSession:
@@ -80,7 +81,5 @@ class EngineLink:
         return _AiohttpUpstream(response)
 
     async def aclose(self) -> None:
-        if self._httpx is not None:
-            await self._httpx.aclose()
         if self._session is not None:
             await self._session.close()

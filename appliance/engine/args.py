@@ -90,12 +90,14 @@ def with_admission(cfg: Config, plan_args: Sequence[str]) -> list[str]:
     request would wait in the engine for a whole lower-class answer.
     """
     args = list(plan_args)
-    if not cfg.admission.enabled or "--max-num-seqs" not in args:
+    if not cfg.admission.enabled:
         return args
-    i = args.index("--max-num-seqs") + 1
-    planned = int(args[i])
-    admission = AdmissionConfig.from_section(cfg.admission, planned)
-    args[i] = str(max(planned, admission.engine_max_num_seqs))
+    if "--max-num-seqs" in args:
+        i = args.index("--max-num-seqs") + 1
+        planned = int(args[i])
+        args[i] = str(max(planned, AdmissionConfig.from_section(cfg.admission, planned).engine_max_num_seqs))
+    # Whatever the sequence count: the gateway sets `priority` whenever admission is on, which vLLM
+    # refuses under any other policy.
     return [*args, "--scheduling-policy", "priority"]
 
 

@@ -1,0 +1,114 @@
+"""What reading an engine's SSE answer costs the gateway's HTTP client: httpx and aiohttp side by side,
+against one local aiohttp server (in a child process) that streams 64 vLLM-shaped events per request.
+
+    python bench/upstream_clients.py [--requests 300] [--concurrency 8] [--rounds 2]
+
+Prints the CPU of this process (the client) per request for each client, rounds interleaved, and the
+ratio. The reason appliance/api/upstream.py sends generation requests over aiohttp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import httpx
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support import free_port
+
+EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+         b'"text":" the","logprobs":null,"finish_reason":null}]}\n\n')
+EVENTS = 64
+
+
+def serve(port: int) -> None:
+    async def completion(req: web.Request) -> web.StreamResponse:
+        await req.read()
+        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await r.prepare(req)
+        for _ in range(EVENTS):
+            await r.write(EVENT)
+            await asyncio.sleep(0.001)  # one engine step apart, so each event is its own read
+        await r.write(b"data: [DONE]\n\n")
+        await r.write_eof()
+        return r
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+async def measure(args: argparse.Namespace, port: int) -> None:
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body, headers = b'{"model":"m","prompt":"hi","stream":true}', {"content-type": "application/json"}
+    hc, ac = httpx.AsyncClient(), aiohttp.ClientSession()
+
+    async def via_httpx() -> None:
+        async with hc.stream("POST", url, content=body, headers=headers) as r:
+            async for _ in r.aiter_raw():
+                pass
+
+    async def via_aiohttp() -> None:
+        async with ac.post(url, data=body, headers=headers) as r:
+            async for _ in r.content.iter_any():
+                pass
+
+    clients: dict[str, Callable[[], Awaitable[None]]] = {"httpx": via_httpx, "aiohttp": via_aiohttp}
+    cpu = {name: 0.0 for name in clients}
+    for rnd in range(args.rounds):
+        for name in (list(clients) if rnd % 2 == 0 else list(reversed(clients))):
+            one = clients[name]
+            for _ in range(5):  # warm: connections open, code paths hot
+                await one()
+            sem = asyncio.Semaphore(args.concurrency)
+
+            async def guarded(one: Callable[[], Awaitable[None]] = one, sem: asyncio.Semaphore = sem) -> None:
+                async with sem:
+                    await one()
+
+            c0 = time.process_time()
+            await asyncio.gather(*(guarded() for _ in range(args.requests)))
+            cpu[name] += time.process_time() - c0
+    await hc.aclose()
+    await ac.close()
+    per = {name: 1e3 * c / (args.requests * args.rounds) for name, c in cpu.items()}
+    for name, ms in per.items():
+        print(f"{name:>8}: {ms:.2f} ms client CPU per {EVENTS}-event stream")
+    print(f"   ratio: httpx costs {per['httpx'] / per['aiohttp']:.2f}x what aiohttp does")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    port = free_port()
+    server = multiprocessing.Process(target=serve, args=(port,), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the stand-in server did not start") from None
+                time.sleep(0.1)
+        asyncio.run(measure(args, port))
+    finally:
+        server.terminate()
+
+
+if __name__ == "__main__":
+    main()
