@@ -120,9 +120,10 @@ def shared_engine_cache() -> Path:
 def write_config(directory: Path, *, port: int | None = None, engine_port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
                  extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
-                 model: Path | None = None) -> Path:
+                 model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
+    kv_toml = f'"{kv_cache_memory_bytes}"' if isinstance(kv_cache_memory_bytes, str) else str(kv_cache_memory_bytes)
     path.write_text(
         f"""
 [model]
@@ -139,7 +140,7 @@ directory = "{directory / 'state'}"
 
 [engine]
 port = {engine_port or free_port()}
-kv_cache_memory_bytes = "1GiB"
+kv_cache_memory_bytes = {kv_toml}
 max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}
 enforce_eager = {str(enforce_eager).lower()}

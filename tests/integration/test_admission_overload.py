@@ -1,7 +1,9 @@
 """Admission control against the real engine: gold first, bronze refused early, the class token limit.
 
 A dedicated appliance with room for two requests at once (gold holds one of them in reserve while it is
-active, and lends it otherwise), so overload takes a handful of requests rather than hundreds. It plans for a code workload, so the engine
+active, and lends it otherwise), so overload takes a handful of requests rather than hundreds. Its KV
+pool is small too (72 blocks of 128 tokens, a little over one 8192-token context), so two long prompts
+fill it and the engine has to preempt. It plans for a code workload, so the engine
 runs n-gram speculative decoding: the last test, the doctor turning decayed speculation off, shares
 this engine rather than paying for another start. The doctor acts only once that test switches it on
 (a reload): before, its judgement of the other tests' traffic could relaunch the engine under them.
@@ -55,13 +57,18 @@ max_tokens = 64
 """
 
 
+BLOCK_BYTES = 128 * 23_040  # a CPU block of 128 tokens; SmolLM2-135M keeps 23,040 B of KV per token
+KV_BLOCKS = 72
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> tuple[RunningAppliance, dict[str, str]]:
     d: Path = tmp_path_factory.mktemp("admission")
     db = d / "state" / "appliance.db"
     db.parent.mkdir(parents=True)
     secrets = {cls: keys.create(db, f"{cls}-client", priority_class=cls)[1] for cls in ("gold", "silver", "bronze")}
-    app = start_appliance(d, max_num_seqs=2, max_model_len=8192, extra=ADMISSION)
+    app = start_appliance(d, max_num_seqs=2, max_model_len=8192, kv_cache_memory_bytes=KV_BLOCKS * BLOCK_BYTES,
+                          extra=ADMISSION)
     try:
         app.wait_ready()
         yield app, secrets
@@ -150,7 +157,7 @@ FIRST_CHUNK_S = 60  # usually well under a second; minutes only on a machine sta
 
 
 @contextmanager
-def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[_Reader]:
+def _holding_a_slot(app: RunningAppliance, key: str, body: dict | None = None) -> Iterator[_Reader]:
     """Hold one engine slot until the block ends: a long stream, closed (and so aborted) on exit.
 
     The test, not the engine's speed, decides when the slot frees: a fixed-length answer raced the
@@ -161,7 +168,7 @@ def _holding_a_slot(app: RunningAppliance, key: str) -> Iterator[_Reader]:
     this process's threads showed at that moment. (Earlier such stalls in CI were a test thread stuck
     building its httpx client's TLS context, which tests/loopback.py now builds once.)
     """
-    reader = _Reader(app, key, _sea(app, 8000))
+    reader = _Reader(app, key, body or _sea(app, 8000))
     reader.start()
     try:
         deadline = time.monotonic() + FIRST_CHUNK_S
@@ -275,6 +282,54 @@ def test_gold_takes_its_lent_reserve_back_without_waiting_for_an_answer(small):
     assert ttft < 40 * step, f"gold's first token after {ttft:.3f}s, {ttft / step:.0f} engine steps of {step:.3f}s"
     decisions = r'^appliance_admission_decisions_total\{{class="{}",code="{}",decision="{}"\}} (\S+)$'
     assert _metric(app, decisions.format("gold", "", "admit")) >= 1
+
+
+def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small):
+    """Silver holds every slot and nearly every KV block: two prompts of 33 blocks each leave 6 of 72.
+    Gold arrives and starts at once (its short prompt fits); as the three answers grow the pool runs out,
+    and the engine's priority scheduling preempts a silver request, whose prompt is computed again once
+    blocks free up, while gold's answer streams on. The preemption is read from vLLM's own counter; which
+    request it hit, from the streams: under first-come-first-served it would be gold, the newest.
+    """
+    app, secret = small
+    explain = partial(snapshot, app)
+    in_flight = lambda cls: _metric(app, rf'^appliance_admission_in_flight\{{class="{cls}"\}} (\S+)$')
+    preemptions = lambda: _metric(app, r'^vllm:num_preemptions_total\{[^}]*\} (\S+)$')
+    wait_for(lambda: in_flight("silver") + in_flight("gold") == 0, 60, what="an idle gate", explain=explain)
+    time.sleep(1.5)  # past gold's reserve_memory_s from the tests before
+    # Prompts as token ids: an exact length, and different ids so prefix caching shares no block.
+    filler = lambda token: {"model": app.served_name, "prompt": [token] * (33 * 128 - 40), "max_tokens": 3000,
+                            "ignore_eos": True, "temperature": 0, "stream": True}
+    with _holding_a_slot(app, secret["silver"], filler(1000)) as first, \
+            _holding_a_slot(app, secret["silver"], filler(2000)) as second:
+        wait_for(lambda: in_flight("silver") == 2, 60, what="silver to hold every slot", explain=explain)
+        before = preemptions()
+        gold = _Reader(app, secret["gold"], _sea(app, 300))
+        sent = time.monotonic()
+        gold.start()
+        gold.join(300)
+        assert gold.status == 200 and gold.ended_by_itself and not gold.errors, (gold.status, gold.errors, gold.failure)
+        gold_gaps = sorted(b - a for a, b in zip(gold.chunks, gold.chunks[1:]))
+        assert gold_gaps[-1] < 10 * gold_gaps[len(gold_gaps) // 2], \
+            f"gold's answer stopped for {gold_gaps[-1]:.3f}s (its median step {gold_gaps[len(gold_gaps) // 2]:.3f}s): preempted"
+        # vLLM counts a preemption when the preempted request next produces output (its event rides on that
+        # output), so the silver streams going on comes first; and the appliance re-exports the engine's
+        # counters from its last look, every 2 s.
+        wait_for(lambda: min(first.chunks[-1], second.chunks[-1]) > gold.chunks[-1], 120,
+                 what="both silver streams to go on after gold's answer", explain=explain)
+        wait_for(lambda: preemptions() > before, 10, what=f"a preemption (vllm:num_preemptions_total was {before})",
+                 explain=explain)
+        after = preemptions()
+    during = lambda r: [b - a for a, b in zip(r.chunks, r.chunks[1:]) if sent <= a <= gold.chunks[-1]]
+    step = sorted(during(first) + during(second))[len(during(first) + during(second)) // 2]
+    silver_pause = max(during(first) + during(second))
+    ttft = gold.chunks[0] - sent
+    report = (f"step {step:.3f}s, gold's first token after {ttft:.3f}s, gold's longest pause {max(gold_gaps):.3f}s, "
+              f"silver's longest pause {silver_pause:.3f}s, preemptions {before} -> {after}")
+    print(report)
+    assert ttft < 40 * step, report
+    # The victim: a silver stream stopped for its prompt's recomputation, longer than gold ever paused.
+    assert silver_pause > 2 * max(gold_gaps), report
 
 
 def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):
