@@ -39,6 +39,7 @@ test-unit: setup
 bench: model bench-deps
 	$(PY) bench/gateway_overhead.py
 	$(PY) bench/upstream_clients.py
+	$(PY) bench/gateway_floor.py
 	$(PY) bench/overload.py
 	$(PY) bench/outbox.py
 	$(PY) bench/cascade_eval.py

@@ -1,0 +1,201 @@
+"""What relaying a stream costs in CPU on this machine, with the engine's own cost taken out: nginx, the
+least a Python relay can do, and the appliance's gateway, side by side against one stand-in engine.
+
+    python bench/gateway_floor.py [--requests 400] [--concurrency 16] [--rounds 3]
+
+bench/gateway_overhead.py measures the real engine; there the engine's CPU drowns the front's and the
+runs are slow. Here a child process answers every chat request with 64 vLLM-shaped SSE events 10 ms
+apart, the usage event and [DONE] (an engine step per event, as the CPU engine sends them), and three
+fronts relay it, rounds interleaved:
+  nginx      Debian's nginx-light, the same generated config as gateway_overhead.py (left out when missing)
+  relay      a raw ASGI app on uvicorn reading the engine over aiohttp, nothing else: the floor of any
+             Python front on the same server and client libraries as the appliance
+  appliance  the appliance's own app built from make run's configuration (dev/appliance.toml: keys,
+             admission, request log, metrics), its engine marked ready at the stand-in's address
+Prints each front's CPU per request (user + system, the front's process only), its ratio to nginx's,
+and the gap between the appliance and the floor: what the gateway's own features cost per stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+import psutil
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
+from tests.support import free_port  # noqa: E402
+
+EVENTS = 64
+EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+         b'"delta":{"content":" the"},"logprobs":null,"finish_reason":null}]}\n\n')
+USAGE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+         b'"usage":{"prompt_tokens":5,"completion_tokens":64,"total_tokens":69}}\n\n')
+
+
+def stand_in_engine(port: int) -> None:
+    async def chat(req: web.Request) -> web.StreamResponse:
+        await req.read()
+        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await r.prepare(req)
+        for _ in range(EVENTS):
+            await r.write(EVENT)
+            await asyncio.sleep(0.01)
+        await r.write(USAGE + b"data: [DONE]\n\n")
+        await r.write_eof()
+        return r
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+def least_relay(port: int, engine_port: int) -> None:
+    import uvicorn
+    import uvloop
+
+    session: list[aiohttp.ClientSession] = []
+
+    async def app(scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        if not session:
+            session.append(aiohttp.ClientSession())
+        async with session[0].post(f"http://127.0.0.1:{engine_port}{scope['path']}", data=body,
+                                   headers={"content-type": "application/json"}) as r:
+            await send({"type": "http.response.start", "status": r.status,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            async for chunk in r.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                                           lifespan="off"))
+    uvloop.run(server.serve())
+
+
+def appliance_gateway(port: int, engine_port: int, tmp: str) -> None:
+    """The daemon's app as assembly.build makes it, served as the daemon serves it, minus the engine."""
+    import uvicorn
+    import uvloop
+
+    from appliance import config
+    from appliance.assembly import build
+    from appliance.engine.supervisor import EngineState
+    from appliance.planning import plan_for_config
+
+    cfg = config.load(str(default_config(Path(tmp))))
+    daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))
+    daemon.supervisor.status.state = EngineState.READY
+    daemon.supervisor.launch = SimpleNamespace(base_url=f"http://127.0.0.1:{engine_port}")  # type: ignore[assignment]
+    cfg.state.directory.mkdir(parents=True, exist_ok=True)
+    daemon.request_log.start()
+    server = uvicorn.Server(uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None,
+                                           access_log=False, lifespan="off"))
+    uvloop.run(server.serve())
+
+
+async def load(port: int, requests: int, concurrency: int) -> int:
+    """Stream `requests` chat answers through the front; returns how many failed."""
+    body = b'{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    failed = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as s:
+        async def one() -> None:
+            nonlocal failed
+            async with sem, s.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                   headers={"content-type": "application/json"}) as r:
+                events = 0
+                async for line in r.content:
+                    events += line.startswith(b"data: {")
+                failed += r.status != 200 or events < EVENTS
+
+        await asyncio.gather(*(one() for _ in range(requests)))
+    return failed
+
+
+def wait_listening(port: int) -> None:
+    import socket
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listens on port {port}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-floor-"))
+    engine_port = free_port()
+    children = [multiprocessing.Process(target=stand_in_engine, args=(engine_port,), daemon=True)]
+    fronts: dict[str, tuple[int, list[psutil.Process]]] = {}
+    relay_port, gw_port = free_port(), free_port()
+    children.append(multiprocessing.Process(target=least_relay, args=(relay_port, engine_port), daemon=True))
+    children.append(multiprocessing.Process(target=appliance_gateway, args=(gw_port, engine_port, str(tmp)),
+                                            daemon=True))
+    for c in children:
+        c.start()
+    nginx = None
+    if NGINX.exists():
+        nginx, nginx_port = start_nginx(tmp, engine_port)
+        workers = psutil.Process(nginx.pid).children() or [psutil.Process(nginx.pid)]
+        fronts["nginx"] = (nginx_port, workers)
+    else:
+        print(f"nginx: {NGINX} not found (apt-get install nginx-light); that front is left out")
+    fronts["relay"] = (relay_port, [psutil.Process(children[1].pid)])
+    fronts["appliance"] = (gw_port, [psutil.Process(children[2].pid)])
+    try:
+        for port, _ in fronts.values():
+            wait_listening(port)
+        per_request: dict[str, list[float]] = {name: [] for name in fronts}
+        for rnd in range(args.rounds):
+            order = list(fronts) if rnd % 2 == 0 else list(reversed(fronts))
+            for name in order:
+                port, procs = fronts[name]
+                asyncio.run(load(port, 20, args.concurrency))  # warm: connections open, code paths hot
+                before = cpu(procs)
+                failed = asyncio.run(load(port, args.requests, args.concurrency))
+                if failed:
+                    raise SystemExit(f"{name}: {failed} of {args.requests} streams failed or came short")
+                per_request[name].append((cpu(procs) - before) / args.requests * 1000)
+        print(f"CPU per streamed request ({EVENTS} events, {args.concurrency} streams, {args.rounds} rounds "
+              f"of {args.requests}; median of rounds)")
+        med = {n: sorted(v)[len(v) // 2] for n, v in per_request.items()}
+        for name, v in per_request.items():
+            vs = f"  {med[name] / med['nginx']:.2f}x nginx" if "nginx" in med else ""
+            print(f"  {name:10} {med[name]:6.2f} ms   rounds {', '.join(f'{x:.2f}' for x in v)}{vs}")
+        print(f"  the gateway's own features cost {med['appliance'] - med['relay']:.2f} ms per stream over the "
+              f"least Python relay")
+    finally:
+        if nginx is not None:
+            nginx.terminate()
+        for c in children:
+            c.kill()
+
+
+if __name__ == "__main__":
+    main()
