@@ -154,17 +154,41 @@ class RequestLog:
                 if item is self._STOP:
                     stop = True
                     continue
-                row = asdict(item)
-                row.pop("extra")
-                row["stream"] = int(row["stream"])
-                rows.append(row)
+                rows.append(_row(item))
             if rows:
-                try:
-                    with db.atomic():
-                        table.insert_all(rows, replace=True)
-                except Exception:
-                    log.exception("could not write %d request-log rows", len(rows))
+                _write(db, table, rows)
         db.close()
+
+
+def _row(rec: RequestRecord) -> dict[str, Any]:
+    row = asdict(rec)
+    row.pop("extra")
+    row["stream"] = int(row["stream"])
+    # Text SQLite can store: a client's lone surrogate ("\ud800" is valid JSON) fails the insert
+    # with UnicodeEncodeError otherwise.
+    return {k: _storable(v) if isinstance(v, str) else v for k, v in row.items()}
+
+
+def _storable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _write(db: sqlite_utils.Database, table: Any, rows: list[dict[str, Any]]) -> None:
+    """One transaction for the batch; if it fails, row by row, so one bad row costs only itself."""
+    try:
+        with db.atomic():
+            table.insert_all(rows, replace=True)
+        return
+    except Exception as e:  # any error: what follows isolates the row that caused it
+        if len(rows) == 1:
+            log.error("could not write request-log row %s: %s: %s", rows[0].get("id"), type(e).__name__, e)
+            return
+    for row in rows:
+        _write(db, table, [row])
 
 
 def recent_requests(path: Path, limit: int = 50) -> list[dict[str, Any]]:
