@@ -7,6 +7,7 @@ and the status an OpenAI client expects, never a traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +59,15 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: a message or param that quotes the client's input
+    renders even when that input is not Unicode text (a lone surrogate), instead of failing the error."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def retry_later(status: int, message: str, code: str, retry_after_s: int | float,

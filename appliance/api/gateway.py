@@ -147,6 +147,11 @@ class Gateway:
             parsed = validate_body(schema, body)
             text = prompt_text(body)  # once: for the estimate and, when kept, the request log
             prompt_tokens, most = estimate_tokens(text), max_tokens(parsed)
+            limit = self._class_token_limit(cls)
+            if most is None and limit is not None:
+                # Left out or null means "as many as the context allows" to the engine: the class limit
+                # applies to that too, so the engine is told it.
+                body["max_tokens"] = most = limit
             decision = self.routing.decide(request.headers, parsed.model, prompt_tokens, most, key)
             self.routing.check_model(parsed.model, decision)
             base = self._engine_or_regional(decision)
@@ -183,6 +188,12 @@ class Gateway:
         if self.cascade is not None:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
+
+    def _class_token_limit(self, cls: str) -> int | None:
+        if self.admission is None:
+            return None
+        policy = self.admission.cfg.classes.get(cls)
+        return policy.max_tokens if policy is not None else None
 
     def _engine_or_regional(self, decision: Decision | None) -> str | None:
         """The engine's address; None when the answer comes from the regional cluster instead (a model

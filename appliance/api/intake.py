@@ -20,6 +20,11 @@ from cascade.policy import Decision
 from cascade.service import EscalationResult
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_JSON_DEPTH = 64  # OpenAI request bodies nest a handful of levels (messages, content parts, tools' schemas)
+# A JSON escape of a UTF-16 surrogate: only these can decode to text that is not valid Unicode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # unrolled: one tight loop per run of plain characters
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def new_request_id() -> str:
@@ -48,10 +53,55 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw:
         raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+    if _depth(raw) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then walk the body for the field to name
+        where = _not_unicode(body, "")
+        if where is not None:
+            raise ApiError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate escape, which is not Unicode "
+                           "text; send each character as UTF-8 or as a complete surrogate pair",
+                           code="invalid_text", param=where or None)
+    return body
+
+
+def _depth(raw: bytes) -> int:
+    """How deep the JSON nests, counted before parsing so no parser recurses on a hostile body: strings
+    are taken out (they may hold brackets), then only brackets are left to count."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for c in brackets:
+        if c in b"[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_DEPTH:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def _not_unicode(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) that cannot be encoded as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items: Any = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        where = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
+        if isinstance(k, str) and _not_unicode(k, where) is not None:
+            return where
+        found = _not_unicode(v, where)
+        if found is not None:
+            return found
+    return None
 
 
 def body_model(body: Any) -> str | None:

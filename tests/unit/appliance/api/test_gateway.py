@@ -115,3 +115,41 @@ def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
         made.log.close()
     assert statuses == [200, 200, 200]
     assert seen == [0, 1, 2]  # gold, silver (no key), bronze
+
+
+def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_path):
+    """Issue 15: bronze with a 16-token limit generated 2,012 tokens by not naming max_tokens. The engine
+    is told the class limit; an explicit value over it is refused, one under it is kept."""
+    from appliance import keys
+    from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.engine.args import build_launch
+    from appliance.engine.supervisor import EngineState
+    from tests.unit.appliance.api.inprocess import call, gateway
+
+    seen: list[object] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        seen.append((sent.get("max_tokens"), sent.get("max_completion_tokens")))
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
+
+    gate = AdmissionGate(AdmissionConfig(4, {"gold": ClassPolicy(5.0, None, 8), "silver": ClassPolicy(5.0, None, 8),
+                                             "bronze": ClassPolicy(5.0, 16, 8)}))
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=gate)
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.status.state = EngineState.READY
+    bronze = keys.create(made.cfg.database_path, "b", priority_class="bronze")[1]
+    gold = keys.create(made.cfg.database_path, "g", priority_class="gold")[1]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        statuses = [call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi"}),
+                    call(made.app, "POST", "/v1/chat/completions", bronze, json={**chat, "max_tokens": None}),
+                    call(made.app, "POST", "/v1/chat/completions", bronze, json={**chat, "max_completion_tokens": None}),
+                    call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi", "max_tokens": 8}),
+                    call(made.app, "POST", "/v1/completions", gold, json={"model": "m", "prompt": "hi"}),
+                    call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi", "max_tokens": 17})]
+    finally:
+        made.log.close()
+    assert [r.status_code for r in statuses] == [200, 200, 200, 200, 200, 400]
+    assert statuses[-1].json()["error"]["code"] == "max_tokens_over_class_limit"
+    assert seen == [(16, None), (16, None), (16, None), (8, None), (None, None)]  # gold has no limit

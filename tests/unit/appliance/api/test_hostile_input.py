@@ -1,0 +1,93 @@
+"""Bodies that used to reach the gateway's 500 path (issue 15): lone surrogates and deep nesting get a
+400 that names the field, are recorded in the request log, and never reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from appliance.engine.args import build_launch
+from appliance.engine.supervisor import EngineState
+from appliance.store import recent_requests
+from tests.unit.appliance.api.inprocess import gateway
+
+BAD = "\ud800"  # json.dumps writes it as the escape \ud800: valid JSON, not Unicode text
+
+
+def _chat(**message) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi", **message}]}
+
+
+CASES = [
+    ("/v1/chat/completions", {**_chat(), "model": BAD}, "model"),
+    ("/v1/chat/completions", _chat(content=f"hi {BAD}"), "messages[0].content"),
+    ("/v1/chat/completions", _chat(content=[{"type": "text", "text": BAD}]), "messages[0].content[0].text"),
+    ("/v1/chat/completions", _chat(name=BAD), "messages[0].name"),
+    ("/v1/chat/completions", {**_chat(), "stop": ["ok", BAD]}, "stop[1]"),
+    ("/v1/chat/completions", {**_chat(), "metadata": {BAD: "x"}}, "metadata." + BAD),
+    ("/v1/completions", {"model": "m", "prompt": BAD}, "prompt"),
+]
+
+
+@pytest.fixture
+def served(tmp_path):
+    seen: list[dict] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}]})
+
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.status.state = EngineState.READY
+
+    def post(route: str, raw: bytes) -> httpx.Response:
+        async def go() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+                return await c.post(route, content=raw, headers={"content-type": "application/json"})
+
+        return asyncio.run(go())
+
+    yield post, seen, made
+    made.log.close()
+
+
+@pytest.mark.parametrize(("route", "body", "field"), CASES, ids=[c[2] for c in CASES])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, route, body, field):
+    post, seen, made = served
+    r = post(route, json.dumps(body).encode())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_text" and err["type"] == "invalid_request_error", err
+    assert err["param"].encode("utf-8", "replace") == field.encode("utf-8", "replace"), err
+    assert seen == []  # the engine never saw it
+    made.log.close()
+    rows = recent_requests(made.cfg.database_path)
+    assert [(row["status"], row["error_code"]) for row in rows] == [(400, "invalid_text")]
+
+
+def test_a_surrogate_pair_is_ordinary_text(served):
+    post, seen, _ = served
+    r = post("/v1/chat/completions", json.dumps(_chat(content="smile \U0001f600")).encode())  # \ud83d\ude00
+    assert r.status_code == 200, r.text
+    assert seen[0]["messages"][0]["content"] == "smile \U0001f600"
+
+
+@pytest.mark.parametrize("depth", [65, 1_000, 100_000])
+def test_deep_nesting_is_a_400_before_any_parser_recurses(served, depth):
+    post, seen, made = served
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * depth + b"]" * depth + b"}"
+    r = post("/v1/chat/completions", raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and "deeper than 64" in r.json()["error"]["message"]
+    assert seen == []
+
+
+def test_nesting_within_the_bound_passes(served):
+    post, seen, _ = served
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * 60 + b"]" * 60 + b"}"
+    assert post("/v1/chat/completions", raw).status_code == 200
+    assert len(seen) == 1
