@@ -99,6 +99,7 @@ class Request:
     cls: str
     prompt_tokens: int
     max_tokens: int | None = None
+    seqs: int = 1  # n (or best_of): each is a sequence in the engine and takes a slot
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,10 @@ def usable_slots(cfg: AdmissionConfig, load: Load, cls: str) -> int:
     return cfg.capacity - held_back(cfg, load, cls)
 
 
-def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str) -> bool:
+def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str, seqs: int = 1) -> bool:
+    """Room for `seqs` more sequences of this class now."""
     in_flight = sum(load.in_flight.values())
-    if load.in_flight.get(cls, 0) < cfg.reserved_slots(cls):
+    if load.in_flight.get(cls, 0) + seqs <= cfg.reserved_slots(cls):
         # Its own reserve, lent out or not: taken back at once. Over the capacity the engine's headroom
         # runs it, and with the KV cache nearly full vLLM preempts a lower class for it, which is the point.
         lower = PRIORITY_CLASSES[PRIORITY_CLASSES.index(cls) + 1:]
@@ -136,7 +138,7 @@ def has_free_slot(cfg: AdmissionConfig, load: Load, cls: str) -> bool:
         return load.kv_usage < cfg.kv_high_water or preemptible
     if load.kv_usage >= cfg.kv_high_water:
         return False
-    return in_flight < usable_slots(cfg, load, cls)
+    return in_flight + seqs <= usable_slots(cfg, load, cls)
 
 
 def ahead_of(load: Load, cls: str) -> int:
@@ -153,8 +155,11 @@ def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
     if req.max_tokens is not None and pol.max_tokens is not None and req.max_tokens > pol.max_tokens:
         return Verdict("reject", prefill, 400, "max_tokens_over_class_limit",
                        f"max_tokens {req.max_tokens} exceeds the {req.cls} class limit of {pol.max_tokens}")
+    if req.seqs > cfg.capacity:
+        return Verdict("reject", prefill, 400, "too_many_choices",
+                       f"{req.seqs} choices need {req.seqs} of the engine's {cfg.capacity} slots at once")
     position = ahead_of(load, req.cls)
-    if position == 0 and has_free_slot(cfg, load, req.cls):
+    if position == 0 and has_free_slot(cfg, load, req.cls, req.seqs):
         return Verdict("admit", prefill)
     if load.queued.get(req.cls, 0) >= pol.queue_limit:
         return Verdict("reject", math.inf, 429, "queue_full",
@@ -164,7 +169,7 @@ def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
     # after those a class took back over the capacity have ended.
     usable = max(1, usable_slots(cfg, load, req.cls))
     over = max(0, sum(load.in_flight.values()) - usable)
-    wait = (position + 1 + over) * load.service_time_s / usable
+    wait = (position + req.seqs + over) * load.service_time_s / usable
     predicted = wait + prefill
     if predicted > pol.ttft_target_s:
         return Verdict("reject", predicted, 429, "ttft_target_unreachable",
@@ -185,6 +190,7 @@ class Ticket:
     cls: str
     admitted_at: float
     released: bool = field(default=False)
+    seqs: int = 1
 
 
 class AdmissionGate:
@@ -199,6 +205,7 @@ class AdmissionGate:
         self.in_flight: dict[str, int] = {c: 0 for c in cfg.classes}
         self._last_active: dict[str, float] = {}  # class -> when its last request ended
         self._waiters: dict[str, deque[asyncio.Future[Ticket]]] = {c: deque() for c in cfg.classes}
+        self._seqs: dict[asyncio.Future[Ticket], int] = {}  # a waiter's sequences, when more than one
         self.on_decision: Callable[[str, str, str], None] = lambda cls, decision, code: None
 
     def load(self) -> Load:
@@ -213,9 +220,10 @@ class AdmissionGate:
         if verdict.action == "reject":
             raise AdmissionRejected(verdict)
         if verdict.action == "admit":
-            return self._take(req.cls)
+            return self._take(req.cls, req.seqs)
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[req.cls].append(fut)
+        self._seqs[fut] = req.seqs
         self._wake_when_reserves_lapse()
         budget = self.cfg.classes[req.cls].ttft_target_s - req.prompt_tokens / self.prefill_tokens_per_s
         try:
@@ -237,6 +245,7 @@ class AdmissionGate:
             raise
 
     def _forget(self, cls: str, fut: asyncio.Future[Ticket]) -> None:
+        self._seqs.pop(fut, None)
         if fut in self._waiters[cls]:
             self._waiters[cls].remove(fut)
         if not fut.done():
@@ -246,7 +255,7 @@ class AdmissionGate:
         if ticket.released:
             return
         ticket.released = True
-        self.in_flight[ticket.cls] -= 1
+        self.in_flight[ticket.cls] -= ticket.seqs
         now = self._last_active[ticket.cls] = self.clock()
         held = now - ticket.admitted_at
         self.service_time_s += self.alpha * (held - self.service_time_s)
@@ -263,9 +272,9 @@ class AdmissionGate:
         self.kv_usage = usage
         self._dispatch()
 
-    def _take(self, cls: str) -> Ticket:
-        self.in_flight[cls] += 1
-        return Ticket(cls, self.clock())
+    def _take(self, cls: str, seqs: int = 1) -> Ticket:
+        self.in_flight[cls] += seqs
+        return Ticket(cls, self.clock(), seqs=seqs)
 
     def _wake_when_reserves_lapse(self) -> None:
         """A reserve held only by memory is lent when the memory runs out, which no release or arrival
@@ -283,7 +292,10 @@ class AdmissionGate:
     def _dispatch(self) -> None:
         for cls in PRIORITY_CLASSES:
             queue = self._waiters.get(cls)
-            while queue and has_free_slot(self.cfg, self.load(), cls):
+            # In order: a request of many choices at the head waits for room for all of them rather than
+            # being overtaken for ever by single ones behind it.
+            while queue and has_free_slot(self.cfg, self.load(), cls, self._seqs.get(queue[0], 1)):
                 fut = queue.popleft()
+                seqs = self._seqs.pop(fut, 1)
                 if not fut.done():
-                    fut.set_result(self._take(cls))
+                    fut.set_result(self._take(cls, seqs))

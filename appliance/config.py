@@ -80,6 +80,9 @@ class ServerSection(_Section):
     retry_after_s: Annotated[int, Field(ge=1, le=3600)] = Field(default=5,
         description="Retry-After on 503 while the engine is not ready.")
     upstream_timeout_s: Seconds = Field(default=600.0, description="Longest a request may wait on the engine.")
+    max_choices: Annotated[int, Field(ge=1, le=128)] = Field(default=4,
+        description="Largest n (and best_of) a request may ask for; each choice is a sequence in the engine, "
+                    "and admission counts it as one.")
 
 
 class StateSection(_Section):

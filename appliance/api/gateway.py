@@ -54,6 +54,7 @@ class GatewaySettings:
     retry_after_s: int
     upstream_timeout_s: float
     default_class: str = "silver"  # the priority class of a request without a key
+    max_choices: int = 4  # largest n / best_of: the sequences one request may run in the engine
 
 
 class Gateway:
@@ -147,6 +148,7 @@ class Gateway:
             parsed = validate_body(schema, body)
             text = prompt_text(body)  # once: for the estimate and, when kept, the request log
             prompt_tokens, most = estimate_tokens(text), max_tokens(parsed)
+            seqs = self._sequences(body)
             limit = self._class_token_limit(cls)
             if most is None and limit is not None:
                 # Left out or null means "as many as the context allows" to the engine: the class limit
@@ -165,6 +167,7 @@ class Gateway:
         job = Job(rec=rec, t0=t0, body=body, original=dict(body), stream=rec.stream,
                   client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                   cls=cls, tenant=key.tenant if key else None, decision=decision, prompt_tokens=prompt_tokens,
+                  seqs=seqs,
                   max_tokens=most, flight=self.inflight.start(rec, Flight(rid, route, cls, rec.stream)))
         try:
             return await self._route(request, job, base)
@@ -188,6 +191,21 @@ class Gateway:
         if self.cascade is not None:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
+
+    def _sequences(self, body: dict) -> int:
+        """The sequences the engine runs for this request (n, or best_of when larger), within max_choices."""
+        seqs = 1
+        for field in ("n", "best_of"):
+            value = body.get(field)
+            if value is None:
+                continue
+            if type(value) is not int or value < 1:
+                raise ApiError(400, f"{field} must be a whole number of at least 1", code="invalid_type", param=field)
+            if value > self.settings.max_choices:
+                raise ApiError(400, f"{field} is {value}; this appliance allows at most {self.settings.max_choices} "
+                               "(server.max_choices)", code="too_many_choices", param=field)
+            seqs = max(seqs, value)
+        return seqs
 
     def _class_token_limit(self, cls: str) -> int | None:
         if self.admission is None:
@@ -217,7 +235,7 @@ class Gateway:
             body["priority"] = PRIORITY_CLASSES.index(job.cls)
         job.flight.enter("admission")
         try:
-            ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens))
+            ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens, job.seqs))
         except ApiError as e:
             raise self.recorder.failed(rec, job.t0, e) from None
         except ClientGone:

@@ -139,6 +139,7 @@ class Job:
     cls: str
     tenant: str | None
     decision: Decision | None
+    seqs: int  # sequences in the engine: n or best_of
     prompt_tokens: int  # estimated once (see estimate_tokens) for the policy, admission and prefill speed
     max_tokens: int | None
     flight: Flight  # its line in GET /v1/appliance/requests until the request log has it

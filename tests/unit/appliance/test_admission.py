@@ -195,3 +195,33 @@ def test_a_reserve_is_lent_to_the_queue_when_its_class_has_been_away_long_enough
         return held_for_gold, second.done()
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_request_of_n_choices_takes_n_slots_and_waits_for_room_for_all():
+    """Issue 15: a bronze request with n=4000 took one slot and filled the engine. Each choice is a
+    sequence in the engine: admission counts it as one, and a request needing more than fit waits."""
+    cfg = AdmissionConfig(capacity=4, classes={"silver": ClassPolicy(30.0, None, 10),
+                                               "bronze": ClassPolicy(30.0, None, 10)})
+    assert decide(cfg, load({"silver": 1}), Request("bronze", 10, seqs=3)).action == "admit"
+    assert decide(cfg, load({"silver": 2}), Request("bronze", 10, seqs=3)).action == "queue"
+    too_many = decide(cfg, load(), Request("bronze", 10, seqs=5))
+    assert (too_many.status, too_many.code) == (400, "too_many_choices")
+
+    async def scenario():
+        gate = AdmissionGate(cfg)
+        wide = await gate.acquire(Request("bronze", 10, seqs=3))
+        assert gate.in_flight["bronze"] == 3
+        one = await gate.acquire(Request("silver", 10))
+        waiting = asyncio.ensure_future(gate.acquire(Request("bronze", 10, seqs=2)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 4 of 4 slots in use
+        gate.release(one)
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # one free slot is not room for two
+        gate.release(wide)
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert gate.in_flight["bronze"] == 2
+        gate.release(ticket)
+        assert gate.in_flight["bronze"] == 0
+
+    asyncio.run(scenario())

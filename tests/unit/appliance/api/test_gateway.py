@@ -153,3 +153,31 @@ def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_p
     assert [r.status_code for r in statuses] == [200, 200, 200, 200, 200, 400]
     assert statuses[-1].json()["error"]["code"] == "max_tokens_over_class_limit"
     assert seen == [(16, None), (16, None), (16, None), (8, None), (None, None)]  # gold has no limit
+
+
+def test_n_and_best_of_are_bounded_by_max_choices(tmp_path):
+    from appliance.engine.args import build_launch
+    from appliance.engine.supervisor import EngineState
+    from tests.unit.appliance.api.inprocess import call, gateway
+
+    seen: list[object] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content).get("n"))
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
+
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.status.state = EngineState.READY
+    base = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    try:
+        ok = call(made.app, "POST", "/v1/completions", json={**base, "n": 4})
+        wide = call(made.app, "POST", "/v1/completions", json={**base, "n": 4000})
+        best = call(made.app, "POST", "/v1/completions", json={**base, "best_of": 5})
+        odd = call(made.app, "POST", "/v1/completions", json={**base, "best_of": "5"})
+    finally:
+        made.log.close()
+    assert ok.status_code == 200 and seen == [4]
+    assert (wide.status_code, wide.json()["error"]["code"], wide.json()["error"]["param"]) == (400, "too_many_choices", "n")
+    assert (best.status_code, best.json()["error"]["param"]) == (400, "best_of")
+    assert (odd.status_code, odd.json()["error"]["param"]) == (400, "best_of")
