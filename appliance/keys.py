@@ -13,6 +13,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,13 +106,17 @@ class KeyVerifier:
     """Checks presented keys against the database, caching each answer for `ttl_s`.
 
     The cache keeps SQLite off the per-request path; a revocation made with `appliance keys revoke`
-    (another process) takes effect within ttl_s.
+    (another process) takes effect within ttl_s. It holds at most `max_entries` key ids, least recently
+    used out first: ids nobody issued (anyone can send them, no valid key needed) cannot grow it. An
+    OrderedDict rather than cachetools' TTLCache: the same few lines, and no new dependency in the
+    packages for them.
     """
 
-    def __init__(self, db_path: Path, ttl_s: float = 5.0) -> None:
+    def __init__(self, db_path: Path, ttl_s: float = 5.0, max_entries: int = 4096) -> None:
         self.db_path = db_path
         self.ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, ApiKey | None, str | None]] = {}
+        self.max_entries = max_entries
+        self._cache: OrderedDict[str, tuple[float, ApiKey | None, str | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._db: sqlite_utils.Database | None = None
 
@@ -126,6 +131,9 @@ class KeyVerifier:
             if hit is None or now - hit[0] > self.ttl_s:
                 hit = (now, *self._load(key_id))
                 self._cache[key_id] = hit
+                if len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key_id)
         _, key, stored = hit
         if key is None or stored is None or not key.active:
             return None

@@ -137,3 +137,19 @@ def test_keys_cli(tmp_path):
     assert cli("revoke", "missing").returncode == 1
     assert cli("create", "--name", "x", "--class", "platinum").returncode == 2
 
+
+
+def test_the_key_cache_stays_bounded_under_unknown_key_ids(tmp_path):
+    """Issue 15: +70 MiB per 20,000 requests with fresh key ids, nothing evicted. The cache keeps the
+    most recently used ids only, and a real key still verifies after a flood of unknown ones."""
+    cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
+    _, secret = keys.create(cfg.database_path, "app")
+    verifier = keys.KeyVerifier(cfg.database_path, max_entries=100)
+    assert verifier.verify(secret) is not None
+    forged = secret.split("_")
+    for i in range(5_000):
+        assert verifier.verify(f"{forged[0]}_{i:012x}_{forged[2]}") is None
+        if i % 50 == 0:
+            assert verifier.verify(secret) is not None  # in use: stays cached
+    assert len(verifier._cache) <= 100
+    assert verifier.verify(secret) is not None
