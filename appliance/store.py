@@ -8,6 +8,7 @@ the rows still in the queue, never a client's answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -43,9 +44,15 @@ class RequestRecord:
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Private to the service user: the database holds key hashes, request metadata and, when kept, prompts.
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
     db = sqlite_utils.Database(path)
     db.enable_wal()
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's file: leave it be
+            if f.stat().st_mode & 0o077:
+                f.chmod(0o600)
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA busy_timeout=5000")
     migrate(db)

@@ -36,3 +36,24 @@ def test_a_row_sqlite_refuses_costs_only_itself(tmp_path):
     unstorable = _rec(98, prompt_tokens=2**70)  # past SQLite's 64-bit integers: OverflowError
     rows = _written(tmp_path, [*good[:6], unstorable, *good[6:]])
     assert set(rows) == {r.id for r in good}
+
+
+def test_the_state_database_is_private_to_the_service(tmp_path):
+    """Issue 15: the database was created world-readable."""
+    import os
+    import stat
+
+    from appliance.store import open_db
+
+    path = tmp_path / "new-state" / "appliance.db"
+    umask = os.umask(0o022)  # a usual default: what the daemon must not rely on
+    try:
+        open_db(path).close()
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    for f in path.parent.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    path.chmod(0o644)  # an older install's database
+    open_db(path).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
