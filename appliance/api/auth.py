@@ -43,7 +43,8 @@ class ApiKeyAuth:
         self.required = required
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        # "/healthz/" too: a probe configured with a trailing slash gets the redirect, not a 401
+        if scope["type"] != "http" or scope["path"].rstrip("/") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         token = _presented_key(scope)
