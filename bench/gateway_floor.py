@@ -29,11 +29,11 @@ from types import SimpleNamespace
 
 import aiohttp
 import psutil
-from aiohttp import web
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
+from bench.stand_in import serve_sse  # noqa: E402
 from tests.support import free_port  # noqa: E402
 
 EVENTS = 64
@@ -44,20 +44,7 @@ USAGE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1
 
 
 def stand_in_engine(port: int) -> None:
-    async def chat(req: web.Request) -> web.StreamResponse:
-        await req.read()
-        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await r.prepare(req)
-        for _ in range(EVENTS):
-            await r.write(EVENT)
-            await asyncio.sleep(0.01)
-        await r.write(USAGE + b"data: [DONE]\n\n")
-        await r.write_eof()
-        return r
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    serve_sse(port, "/v1/chat/completions", EVENT, EVENTS, 0.01, USAGE + b"data: [DONE]\n\n")
 
 
 def least_relay(port: int, engine_port: int) -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.stand_in import serve_sse
 from tests.support import free_port
 
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
@@ -31,20 +31,7 @@ EVENTS = 64
 
 
 def serve(port: int) -> None:
-    async def completion(req: web.Request) -> web.StreamResponse:
-        await req.read()
-        r = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await r.prepare(req)
-        for _ in range(EVENTS):
-            await r.write(EVENT)
-            await asyncio.sleep(0.001)  # one engine step apart, so each event is its own read
-        await r.write(b"data: [DONE]\n\n")
-        await r.write_eof()
-        return r
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completion)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    serve_sse(port, "/v1/completions", EVENT, EVENTS, 0.001)
 
 
 async def measure(args: argparse.Namespace, port: int) -> None:
