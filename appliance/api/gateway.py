@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
 from cascade.policy import PRIORITY_CLASSES, Decision
 from cascade.service import Cascade
+
+log = logging.getLogger(__name__)
 
 _NOT_READY = {
     EngineState.STARTING: "the engine is loading the model",
@@ -142,6 +145,23 @@ class Gateway:
         cls = key.priority_class if key else self.settings.default_class
         rec = RequestRecord(id=rid, ts=time.time(), route=route, model=None, status=0, stream=False,
                             key_id=key.id if key else None, extra={"class": cls})
+        try:
+            return await self._generate(request, schema, rec, t0, key, cls)
+        except (ApiError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            # A fault of the gateway's own: one log record with its traceback, the request in the
+            # metrics and the request log like any other, and an OpenAI-style 500 on a connection that
+            # stays open (an exception left to Starlette is logged twice and closes it).
+            log.exception("request %s: %s in the gateway", rid, type(e).__name__, extra={"REQUEST_ID": rid})
+            self.inflight.end(rec)
+            raise self.recorder.failed(rec, t0, ApiError(
+                500, f"internal error in the appliance (request {rid}); its log has the details",
+                code="internal_error")) from None
+
+    async def _generate(self, request: Request, schema: type, rec: RequestRecord, t0: float, key: Any,
+                        cls: str) -> Response:
+        rid, route = rec.id, rec.route
         body: Any = None
         try:
             body = await read_json(request, self.settings.max_body_bytes)

@@ -91,3 +91,29 @@ def test_nesting_within_the_bound_passes(served):
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * 60 + b"]" * 60 + b"}"
     assert post("/v1/chat/completions", raw).status_code == 200
     assert len(seen) == 1
+
+
+def test_a_fault_in_the_gateway_is_logged_once_counted_and_recorded(served, monkeypatch, caplog):
+    """Issue 15: the gateway's own 500s were in neither the request log nor the metrics and wrote two
+    tracebacks each. Any fault inside the gateway now ends like every other failed request."""
+    import appliance.api.gateway as gw
+
+    post, seen, made = served
+
+    def broken(text: str) -> int:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(gw, "estimate_tokens", broken)
+    with caplog.at_level("ERROR"):
+        r = post("/v1/chat/completions", json.dumps(_chat()).encode())
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "internal_error" and r.headers["x-request-id"] in err["message"]
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None, [e.getMessage() for e in errors]
+    assert seen == []
+    metrics = made.gateway.metrics.render().decode()
+    assert 'appliance_requests_total{class="silver",route="/v1/chat/completions",status="500"} 1.0' in metrics
+    made.log.close()
+    rows = recent_requests(made.cfg.database_path)
+    assert [(row["status"], row["error_code"]) for row in rows] == [(500, "internal_error")]
