@@ -21,6 +21,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.admission import Request as AdmissionRequest
@@ -149,6 +150,8 @@ class Gateway:
             return await self._generate(request, schema, rec, t0, key, cls)
         except (ApiError, asyncio.CancelledError):
             raise
+        except ClientDisconnect:  # left while sending the body: theirs to end, not a fault of ours
+            return self.recorder.client_gone(rec, t0)
         except Exception as e:
             # A fault of the gateway's own: one log record with its traceback, the request in the
             # metrics and the request log like any other, and an OpenAI-style 500 on a connection that

@@ -117,3 +117,29 @@ def test_a_fault_in_the_gateway_is_logged_once_counted_and_recorded(served, monk
     made.log.close()
     rows = recent_requests(made.cfg.database_path)
     assert [(row["status"], row["error_code"]) for row in rows] == [(500, "internal_error")]
+
+
+def test_a_client_leaving_mid_upload_is_a_499_not_an_error(served, caplog):
+    """Issue 15: 3,000 clients closing mid-upload wrote 20 MB of tracebacks and stalled the loop."""
+    _, seen, made = served
+    sent: list[dict] = []
+    messages = iter([{"type": "http.request", "body": b'{"model":"m","mess', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"400")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    with caplog.at_level("WARNING"):
+        asyncio.run(made.app(scope, receive, send))
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert seen == []
+    made.log.close()
+    rows = recent_requests(made.cfg.database_path)
+    assert [(row["status"], row["error_code"]) for row in rows] == [(499, "client_disconnected")]
