@@ -46,7 +46,8 @@ class RequestRecord:
 def open_db(path: Path) -> sqlite_utils.Database:
     # Private to the service user: the database holds key hashes, request metadata and, when kept, prompts.
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.touch(mode=0o600, exist_ok=True)
+    if not path.exists():
+        path.touch(mode=0o600)  # created private, rather than made private after the fact
     db = sqlite_utils.Database(path)
     db.enable_wal()
     for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
