@@ -148,7 +148,7 @@ class Gateway:
                             key_id=key.id if key else None, extra={"class": cls})
         try:
             return await self._generate(request, schema, rec, t0, key, cls)
-        except (ApiError, asyncio.CancelledError):
+        except ApiError:
             raise
         except ClientDisconnect:  # left while sending the body: theirs to end, not a fault of ours
             return self.recorder.client_gone(rec, t0)
@@ -157,7 +157,6 @@ class Gateway:
             # metrics and the request log like any other, and an OpenAI-style 500 on a connection that
             # stays open (an exception left to Starlette is logged twice and closes it).
             log.exception("request %s: %s in the gateway", rid, type(e).__name__, extra={"REQUEST_ID": rid})
-            self.inflight.end(rec)
             raise self.recorder.failed(rec, t0, ApiError(
                 500, f"internal error in the appliance (request {rid}); its log has the details",
                 code="internal_error")) from None

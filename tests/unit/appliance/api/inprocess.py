@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def gateway(tmp_path: Path, required: bool, ttl: float = 5.0,
     application = create_app(gw, plan=lambda: {"fits": True},
                              verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl), keys_required=required)
     return InProcess(cfg, application, log, gw)
+
+
+def serving(tmp_path: Path, engine: Callable[[httpx.Request], httpx.Response],
+            admission: AdmissionGate | None = None) -> InProcess:
+    """The gateway with `engine` answering on its engine port (httpx.MockTransport), the engine ready."""
+    from appliance.engine.args import build_launch
+    from appliance.engine.supervisor import EngineState
+
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=admission)
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.status.state = EngineState.READY
+    return made
 
 
 def call(app, method: str, path: str, key: str | None = None, json: dict | None = None, header: str = "bearer"):

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from tests.unit.appliance.api.inprocess import app
+from tests.unit.appliance.api.inprocess import app, call, serving
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -31,9 +31,6 @@ def test_request_ids_from_clients_are_kept_only_when_plain(tmp_path):
 def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
     """GET /v1/appliance/requests: a stream the engine has begun shows as streaming with a chunk from the
     engine handed to the client; once it ends, and after an engine error, the list is empty again."""
-    from appliance.engine.args import build_launch
-    from appliance.engine.supervisor import EngineState
-    from tests.unit.appliance.api.inprocess import gateway
 
     release = asyncio.Event()
 
@@ -47,10 +44,8 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
             return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
 
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
-    cfg, application, log, gw = made.cfg, made.app, made.log, made.gateway
-    gw.supervisor.launch = build_launch(cfg, [], 8123, "k")
-    gw.supervisor.status.state = EngineState.READY
+    made = serving(tmp_path, engine)
+    application, log, gw = made.app, made.log, made.gateway
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t") as c:
@@ -91,9 +86,6 @@ def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
     (lower first): the gateway sets it from the key's class, and a client cannot raise its own."""
     from appliance import keys
     from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
-    from appliance.engine.args import build_launch
-    from appliance.engine.supervisor import EngineState
-    from tests.unit.appliance.api.inprocess import call, gateway
 
     seen: list[object] = []
 
@@ -102,9 +94,7 @@ def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
         return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
 
     gate = AdmissionGate(AdmissionConfig(4, {c: ClassPolicy(5.0, None, 8) for c in ("gold", "silver", "bronze")}))
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=gate)
-    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
-    made.gateway.supervisor.status.state = EngineState.READY
+    made = serving(tmp_path, engine, admission=gate)
     gold = keys.create(made.cfg.database_path, "g", priority_class="gold")[1]
     bronze = keys.create(made.cfg.database_path, "b", priority_class="bronze")[1]
     body = {"model": "m", "prompt": "hi", "max_tokens": 1, "priority": -100}
@@ -122,9 +112,6 @@ def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_p
     is told the class limit; an explicit value over it is refused, one under it is kept."""
     from appliance import keys
     from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
-    from appliance.engine.args import build_launch
-    from appliance.engine.supervisor import EngineState
-    from tests.unit.appliance.api.inprocess import call, gateway
 
     seen: list[object] = []
 
@@ -135,9 +122,7 @@ def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_p
 
     gate = AdmissionGate(AdmissionConfig(4, {"gold": ClassPolicy(5.0, None, 8), "silver": ClassPolicy(5.0, None, 8),
                                              "bronze": ClassPolicy(5.0, 16, 8)}))
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=gate)
-    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
-    made.gateway.supervisor.status.state = EngineState.READY
+    made = serving(tmp_path, engine, admission=gate)
     bronze = keys.create(made.cfg.database_path, "b", priority_class="bronze")[1]
     gold = keys.create(made.cfg.database_path, "g", priority_class="gold")[1]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -156,9 +141,6 @@ def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_p
 
 
 def test_n_and_best_of_are_bounded_by_max_choices(tmp_path):
-    from appliance.engine.args import build_launch
-    from appliance.engine.supervisor import EngineState
-    from tests.unit.appliance.api.inprocess import call, gateway
 
     seen: list[object] = []
 
@@ -166,9 +148,7 @@ def test_n_and_best_of_are_bounded_by_max_choices(tmp_path):
         seen.append(json.loads(request.content).get("n"))
         return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
 
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
-    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
-    made.gateway.supervisor.status.state = EngineState.READY
+    made = serving(tmp_path, engine)
     base = {"model": "m", "prompt": "hi", "max_tokens": 1}
     try:
         ok = call(made.app, "POST", "/v1/completions", json={**base, "n": 4})

@@ -9,10 +9,8 @@ import json
 import httpx
 import pytest
 
-from appliance.engine.args import build_launch
-from appliance.engine.supervisor import EngineState
 from appliance.store import recent_requests
-from tests.unit.appliance.api.inprocess import gateway
+from tests.unit.appliance.api.inprocess import serving
 
 BAD = "\ud800"  # json.dumps writes it as the escape \ud800: valid JSON, not Unicode text
 
@@ -40,9 +38,7 @@ def served(tmp_path):
         seen.append(json.loads(request.content))
         return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}]})
 
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
-    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
-    made.gateway.supervisor.status.state = EngineState.READY
+    made = serving(tmp_path, engine)
 
     def post(route: str, raw: bytes) -> httpx.Response:
         async def go() -> httpx.Response:
