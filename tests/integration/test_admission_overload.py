@@ -12,6 +12,7 @@ this engine rather than paying for another start. The doctor acts only once that
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import signal
 import socket
@@ -121,6 +122,7 @@ class _Reader(threading.Thread):
         self.errors: list[str] = []
         self.status: int | None = None
         self.ended_by_itself = False
+        self.ended_at: float | None = None  # when the stream ran out by itself (monotonic)
         self.failure: Exception | None = None
         self.stop = threading.Event()
         self._response: httpx.Response | None = None
@@ -137,7 +139,7 @@ class _Reader(threading.Thread):
                         self.chunks.append(time.monotonic())
                     if self.stop.is_set():
                         return  # leaving the block closes the stream: the client went away
-                self.ended_by_itself = True
+                self.ended_by_itself, self.ended_at = True, time.monotonic()
         except Exception as e:
             self.failure = e
 
@@ -179,7 +181,12 @@ def _holding_a_slot(app: RunningAppliance, key: str, body: dict | None = None) -
         assert reader.status == 200 and reader.chunks, \
             f"the held stream: {reader.status} {reader.errors} {reader.failure!r}"
         yield reader
-        assert not reader.ended_by_itself, "the held stream ran out of tokens before the test let go"
+        if reader.ended_by_itself:
+            # How long before the let-go it ended tells a slow test process (a stall of minutes) from a
+            # fast engine; the test's own timestamps say which step the time went to.
+            late = time.monotonic() - (reader.ended_at or 0)
+            raise AssertionError(f"the held stream ran out of tokens {late:.1f}s before the test let go "
+                                 f"({len(reader.chunks)} chunks over {reader.chunks[-1] - reader.chunks[0]:.1f}s)")
     finally:
         reader.abandon()
 
@@ -196,7 +203,7 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
     with ExitStack() as long_gold, ExitStack() as long_silver:
         long_silver.enter_context(_holding_a_slot(app, secret["silver"]))
         wait_for(lambda: in_flight("silver") == 1, 60, what="silver to hold the shared slot", explain=explain)
-        long_gold.enter_context(_holding_a_slot(app, secret["gold"]))
+        gold_hold = long_gold.enter_context(_holding_a_slot(app, secret["gold"]))
         wait_for(lambda: in_flight("gold") == 1, 60, what="gold to hold its reserved slot", explain=explain)
 
         # The engine is full. Silver queues first, gold after it.
@@ -214,7 +221,16 @@ def test_gold_first_bronze_refused_early_with_retry_after(small):
         assert not silver.done() and not gold.done()  # both still wait for a slot
 
         long_silver.close()  # frees the shared slot: gold gets it, although silver queued first
+        freed = time.monotonic()
         s, g = silver.result(timeout=180), gold.result(timeout=180)
+        # Gold's held stream must have run until both were answered. Should it not have (a test process
+        # stalled for minutes: once in CI), say where the time went: client-seen times after the freeing.
+        assert not gold_hold.ended_by_itself, (
+            f"gold's held stream ran out before both queued answers came: silver's first token "
+            f"{s.get('first_token', math.nan) - freed:.1f}s and its end {s['answered'] - freed:.1f}s after "
+            f"the slot was freed, gold's {g.get('first_token', math.nan) - freed:.1f}s and "
+            f"{g['answered'] - freed:.1f}s; results taken {time.monotonic() - freed:.1f}s after")
+        long_gold.close()
     assert s["status"] == g["status"] == 200
     assert g["first_token"] < s["first_token"], "the freed slot went to silver although gold outranks it"
     pool.shutdown()
