@@ -11,6 +11,7 @@ silently ignored on a box nobody watches.
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from pathlib import Path
@@ -93,7 +94,9 @@ class StateSection(_Section):
 
 class EngineSection(_Section):
     python: str = Field(default="", description="Interpreter that has vLLM installed; default: the appliance's own.")
-    port: Port = Field(default=0, description="Private loopback port for vLLM; 0 picks a free one.")
+    socket_dir: Path | None = Field(default=None,
+        description="Private directory (made 0700) for the engine's Unix socket, its only way in; "
+                    "default: <state>/engine. The socket path must stay under 108 bytes.")
     kv_cache_memory_bytes: ByteSize | None = Field(
         default=None,
         description="Exact KV pool passed to vLLM; unset: the plan sizes it from the GPU (required without a GPU).",
@@ -116,10 +119,22 @@ class EngineSection(_Section):
         description="Deaths within failure_window_s before the daemon gives up and exits 1.")
     failure_window_s: Seconds = Field(default=600.0, description="The window max_failures counts deaths in.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _port_is_gone(cls, data: Any) -> Any:
+        # engine.port (a loopback TCP port any local user could reach) was replaced by the private socket:
+        # an older configuration that still names it keeps working, and the port is not opened.
+        if isinstance(data, dict) and "port" in data:
+            data = {k: v for k, v in data.items() if k != "port"}
+            logging.getLogger(__name__).warning(
+                "engine.port is no longer used: the engine listens on a private Unix socket "
+                "(engine.socket_dir); remove engine.port from the configuration")
+        return data
+
     @field_validator("extra_args")
     @classmethod
     def _no_owned_flags(cls, v: list[str]) -> list[str]:
-        owned = {"--model", "--port", "--host", "--served-model-name", "--api-key"}
+        owned = {"--model", "--port", "--host", "--uds", "--served-model-name", "--api-key"}
         for arg in v:
             if arg.split("=", 1)[0] in owned:
                 raise ValueError(f"{arg.split('=', 1)[0]} is set by the appliance itself; remove it")
@@ -341,6 +356,10 @@ class Config(_Section):
     @property
     def database_path(self) -> Path:
         return self.state.directory / "appliance.db"
+
+    @property
+    def engine_socket(self) -> Path:
+        return (self.engine.socket_dir or self.state.directory / "engine") / "api.sock"
 
     @property
     def engine_cache_dir(self) -> Path:

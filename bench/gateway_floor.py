@@ -32,6 +32,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from appliance import config  # noqa: E402
+from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
 from bench.stand_in import serve_sse  # noqa: E402
 from tests.support import free_port  # noqa: E402
@@ -43,11 +45,11 @@ USAGE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1
          b'"usage":{"prompt_tokens":5,"completion_tokens":64,"total_tokens":69}}\n\n')
 
 
-def stand_in_engine(port: int) -> None:
-    serve_sse(port, "/v1/chat/completions", EVENT, EVENTS, 0.01, USAGE + b"data: [DONE]\n\n")
+def stand_in_engine(path: str) -> None:
+    serve_sse(path, "/v1/chat/completions", EVENT, EVENTS, 0.01, USAGE + b"data: [DONE]\n\n")
 
 
-def least_relay(port: int, engine_port: int) -> None:
+def least_relay(port: int, engine_socket: str) -> None:
     import uvicorn
     import uvloop
 
@@ -63,8 +65,8 @@ def least_relay(port: int, engine_port: int) -> None:
             if not m.get("more_body"):
                 break
         if not session:
-            session.append(aiohttp.ClientSession())
-        async with session[0].post(f"http://127.0.0.1:{engine_port}{scope['path']}", data=body,
+            session.append(aiohttp.ClientSession(connector=aiohttp.UnixConnector(engine_socket)))
+        async with session[0].post(f"http://engine{scope['path']}", data=body,
                                    headers={"content-type": "application/json"}) as r:
             await send({"type": "http.response.start", "status": r.status,
                         "headers": [(b"content-type", b"text/event-stream")]})
@@ -77,20 +79,21 @@ def least_relay(port: int, engine_port: int) -> None:
     uvloop.run(server.serve())
 
 
-def appliance_gateway(port: int, engine_port: int, tmp: str) -> None:
+def appliance_gateway(port: int, tmp: str) -> None:
     """The daemon's app as assembly.build makes it, served as the daemon serves it, minus the engine."""
     import uvicorn
     import uvloop
 
     from appliance import config
     from appliance.assembly import build
+    from appliance.engine.args import ENGINE_BASE_URL
     from appliance.engine.supervisor import EngineState
     from appliance.planning import plan_for_config
 
     cfg = config.load(str(default_config(Path(tmp))))
     daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))
     daemon.supervisor.status.state = EngineState.READY
-    daemon.supervisor.launch = SimpleNamespace(base_url=f"http://127.0.0.1:{engine_port}")  # type: ignore[assignment]
+    daemon.supervisor.launch = SimpleNamespace(base_url=ENGINE_BASE_URL)  # type: ignore[assignment]
     cfg.state.directory.mkdir(parents=True, exist_ok=True)
     daemon.request_log.start()
     server = uvicorn.Server(uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None,
@@ -137,18 +140,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-floor-"))
-    engine_port = free_port()
-    children = [multiprocessing.Process(target=stand_in_engine, args=(engine_port,), daemon=True)]
+    # The stand-in listens where the appliance's configuration puts the engine's socket, as the real one does.
+    engine_socket = prepare_socket_dir(config.load(str(default_config(tmp))).engine_socket)
+    children = [multiprocessing.Process(target=stand_in_engine, args=(str(engine_socket),), daemon=True)]
     fronts: dict[str, tuple[int, list[psutil.Process]]] = {}
     relay_port, gw_port = free_port(), free_port()
-    children.append(multiprocessing.Process(target=least_relay, args=(relay_port, engine_port), daemon=True))
-    children.append(multiprocessing.Process(target=appliance_gateway, args=(gw_port, engine_port, str(tmp)),
+    children.append(multiprocessing.Process(target=least_relay, args=(relay_port, str(engine_socket)), daemon=True))
+    children.append(multiprocessing.Process(target=appliance_gateway, args=(gw_port, str(tmp)),
                                             daemon=True))
     for c in children:
         c.start()
     nginx = None
     if NGINX.exists():
-        nginx, nginx_port = start_nginx(tmp, engine_port)
+        nginx, nginx_port = start_nginx(tmp, engine_socket)
         workers = psutil.Process(nginx.pid).children() or [psutil.Process(nginx.pid)]
         fronts["nginx"] = (nginx_port, workers)
     else:

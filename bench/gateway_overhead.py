@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -62,6 +63,7 @@ class Route:
     url: str
     headers: list[dict[str, str]]  # one per request, in turn
     front: list[psutil.Process]  # whose CPU is the path's overhead (none for direct)
+    session: aiohttp.ClientSession | None = None  # its own (direct: over the engine's Unix socket)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -85,7 +87,7 @@ async def one(session: aiohttp.ClientSession, path: Route, model: str, i: int, m
     t0 = time.perf_counter()
     first, n = None, 0
     try:
-        async with session.post(path.url, json=body, headers=path.headers[i % len(path.headers)]) as r:
+        async with (path.session or session).post(path.url, json=body, headers=path.headers[i % len(path.headers)]) as r:
             if r.status != 200:
                 s.errors += 1
                 await r.read()
@@ -118,12 +120,16 @@ async def batch(session: aiohttp.ClientSession, path: Route, model: str, start: 
     s.cpu += cpu(path.front) - before
 
 
-def start_nginx(tmp: Path, engine_port: int) -> tuple[subprocess.Popen, int]:
+def start_nginx(tmp: Path, engine_socket: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     (tmp / "nginx").mkdir()
     conf = tmp / "nginx" / "nginx.conf"
     # One worker, as the appliance is one process; buffering off so each event passes as it comes.
+    # Its worker must enter the engine's private socket directory: as root, nginx's worker would otherwise
+    # run as nobody.
+    user = "user root;" if os.geteuid() == 0 else ""
     conf.write_text(f"""
+{user}
 worker_processes 1;
 daemon off;
 pid {tmp}/nginx/nginx.pid;
@@ -136,7 +142,7 @@ http {{
     fastcgi_temp_path {tmp}/nginx/fastcgi;
     uwsgi_temp_path {tmp}/nginx/uwsgi;
     scgi_temp_path {tmp}/nginx/scgi;
-    upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 128; }}
+    upstream engine {{ server unix:{engine_socket}; keepalive 128; }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
@@ -168,7 +174,6 @@ def default_config(tmp: Path) -> Path:
     cfg["model"]["path"] = str(default_model_path())
     cfg["server"]["port"] = free_port()
     cfg["state"]["directory"] = str(tmp / "state")
-    cfg["engine"]["port"] = free_port()
     cfg["engine"]["cache_dir"] = str(shared_engine_cache())  # compiled kernels shared with the tests
     path = tmp / "appliance.toml"
     path.write_text(tomli_w.dumps(cfg))
@@ -190,9 +195,11 @@ async def run(args: argparse.Namespace) -> None:
         slots = tomllib.loads(cfg_path.read_text())["engine"]["max_num_seqs"]
         engine_key = (tmp / "state" / "engine.key").read_text().strip()
         direct_auth = [{"Authorization": f"Bearer {engine_key}"}]
-        paths = [Route("direct", f"{app.engine_url}/v1/chat/completions", direct_auth, [])]
+        direct = aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(app.engine_socket), limit=0),
+                                       timeout=aiohttp.ClientTimeout(total=600))
+        paths = [Route("direct", "http://engine/v1/chat/completions", direct_auth, [], direct)]
         if NGINX.exists():
-            nginx, nginx_port = start_nginx(tmp, app.engine_port)
+            nginx, nginx_port = start_nginx(tmp, app.engine_socket)
             paths.append(Route("nginx", f"http://127.0.0.1:{nginx_port}/v1/chat/completions", direct_auth,
                                [psutil.Process(nginx.pid)]))
         else:
@@ -257,6 +264,7 @@ async def run(args: argparse.Namespace) -> None:
         for v in verdicts:
             print("  " + v)
         await session.close()
+        await direct.close()
     finally:
         if nginx is not None:
             nginx.terminate()

@@ -1,5 +1,5 @@
 """A stand-in for the engine's streaming answer, for benchmarks that measure what sits in front of it:
-an aiohttp server (run it in a child process) answering POSTs to `route` with `events` copies of `event`
+an aiohttp server on a Unix socket (run it in a child process) answering POSTs to `route` with `events` copies of `event`
 `gap_s` apart, then `tail`. Never used where the engine's behaviour is what a test checks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 
-def serve_sse(port: int, route: str, event: bytes, events: int, gap_s: float, tail: bytes = b"data: [DONE]\n\n") -> None:
+def serve_sse(path: str, route: str, event: bytes, events: int, gap_s: float, tail: bytes = b"data: [DONE]\n\n") -> None:
     async def answer(req: web.Request) -> web.StreamResponse:
         await req.read()
         r = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -23,4 +23,4 @@ def serve_sse(port: int, route: str, event: bytes, events: int, gap_s: float, ta
 
     app = web.Application()
     app.router.add_post(route, answer)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    web.run_app(app, path=path, print=None)  # a Unix socket, as the real engine listens on

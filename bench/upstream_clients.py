@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,21 +24,22 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.stand_in import serve_sse
-from tests.support import free_port
 
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
          b'"text":" the","logprobs":null,"finish_reason":null}]}\n\n')
 EVENTS = 64
 
 
-def serve(port: int) -> None:
-    serve_sse(port, "/v1/completions", EVENT, EVENTS, 0.001)
+def serve(path: str) -> None:
+    serve_sse(path, "/v1/completions", EVENT, EVENTS, 0.001)
 
 
-async def measure(args: argparse.Namespace, port: int) -> None:
-    url = f"http://127.0.0.1:{port}/v1/completions"
+async def measure(args: argparse.Namespace, path: str) -> None:
+    # Over a Unix socket, the way the gateway reaches the engine.
+    url = "http://engine/v1/completions"
     body, headers = b'{"model":"m","prompt":"hi","stream":true}', {"content-type": "application/json"}
-    hc, ac = httpx.AsyncClient(), aiohttp.ClientSession()
+    hc = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path))
+    ac = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path))
 
     async def via_httpx() -> None:
         async with hc.stream("POST", url, content=body, headers=headers) as r:
@@ -79,20 +81,21 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    port = free_port()
-    server = multiprocessing.Process(target=serve, args=(port,), daemon=True)
+    path = str(Path(tempfile.mkdtemp(prefix="bench-upstream-")) / "engine.sock")
+    server = multiprocessing.Process(target=serve, args=(path,), daemon=True)
     server.start()
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(path)
                 break
             except OSError:
                 if time.monotonic() > deadline:
                     raise SystemExit("the stand-in server did not start") from None
                 time.sleep(0.1)
-        asyncio.run(measure(args, port))
+        asyncio.run(measure(args, path))
     finally:
         server.terminate()
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import uvicorn
 
+from appliance import config
 from tests import loopback
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,7 +118,7 @@ def shared_engine_cache() -> Path:
     return Path(base) / "appliance" / "test-engine-cache"
 
 
-def write_config(directory: Path, *, port: int | None = None, engine_port: int | None = None,
+def write_config(directory: Path, *, port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
                  extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
                  model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB") -> Path:
@@ -139,7 +140,6 @@ retry_after_s = 3
 directory = "{directory / 'state'}"
 
 [engine]
-port = {engine_port or free_port()}
 kv_cache_memory_bytes = {kv_toml}
 max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}
@@ -160,7 +160,6 @@ class RunningAppliance:
     proc: subprocess.Popen
     log_path: Path
     port: int
-    engine_port: int
     served_name: str
     _log_file: object = field(repr=False, default=None)
 
@@ -169,8 +168,14 @@ class RunningAppliance:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def engine_url(self) -> str:
-        return f"http://127.0.0.1:{self.engine_port}"
+    def engine_socket(self) -> Path:
+        return config.load(self.config).engine_socket
+
+    def engine_get(self, path: str, **kwargs) -> httpx.Response:
+        """GET from the engine itself, through its private Unix socket (as the appliance's user)."""
+        transport = httpx.HTTPTransport(uds=str(self.engine_socket))
+        with loopback.client(transport=transport, base_url="http://engine") as c:
+            return c.get(path, **kwargs)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -249,7 +254,7 @@ def launch_appliance(cfg_path: Path, directory: Path, env: dict[str, str] | None
     )
     running = RunningAppliance(
         config=cfg_path, proc=proc, log_path=log_path, port=raw["server"]["port"],
-        engine_port=raw["engine"]["port"], served_name=raw["model"]["served_name"], _log_file=log_file,
+        served_name=raw["model"]["served_name"], _log_file=log_file,
     )
     RUNNING.append(running)
     return running
@@ -305,15 +310,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
 def sockets(app: RunningAppliance) -> str:
     """Its API and engine ports' TCP connections with their queues: bytes waiting to be read (Recv-Q) or
     not yet taken by the peer (Send-Q) tell a reader that stopped from a writer that did."""
-    ports = " or ".join(f"sport = :{p} or dport = :{p}" for p in (app.port, app.engine_port))
+    ports = f"sport = :{app.port} or dport = :{app.port}"
     try:
         out = subprocess.run(["ss", "-tnpiH", "state", "all", "exclude", "time-wait", f"( {ports} )"],
                              capture_output=True, text=True, timeout=10)
+        engine = subprocess.run(["ss", "-xpH", "src", str(app.engine_socket)], capture_output=True, text=True,
+                                timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         return f"(ss: {e})"
     # ss pads its columns to the terminal's width: one space apart is enough to read
     lines = [" ".join(line.split()) for line in (out.stdout or out.stderr).splitlines()]
-    return "state recv-q send-q local peer process (then its TCP info)\n" + "\n".join(line for line in lines if line)
+    unix = [" ".join(line.split()) for line in (engine.stdout or engine.stderr).splitlines()]
+    return ("state recv-q send-q local peer process (then its TCP info)\n" + "\n".join(line for line in lines if line)
+            + "\nthe engine's Unix socket (netid state recv-q send-q local peer process):\n"
+            + "\n".join(line for line in unix if line))
 
 
 def other_threads() -> str:

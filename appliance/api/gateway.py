@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +60,7 @@ class GatewaySettings:
     upstream_timeout_s: float
     default_class: str = "silver"  # the priority class of a request without a key
     max_choices: int = 4  # largest n / best_of: the sequences one request may run in the engine
+    engine_socket: Path | None = None  # the engine's Unix socket (unset only where a test stands in for it)
 
 
 class Gateway:
@@ -74,14 +76,22 @@ class Gateway:
         self.routing = Routing(cascade, settings.served_name, self.recorder, settings.retry_after_s)
         # One pooled client for the daemon's lifetime: keep-alive connections to the engine save a TCP
         # handshake per request. `transport` replaces the network in tests, as in httpx's own.
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        if transport is None and settings.engine_socket is not None:
+            # The engine's only way in (appliance.engine.args): its private Unix socket.
+            transport = httpx.AsyncHTTPTransport(uds=str(settings.engine_socket), limits=limits)
+            stand_in = None
+        else:
+            stand_in = transport
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            limits=limits,
             transport=transport,
         )
         # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why), unless a
         # test's transport stands in for the engine.
-        self.engine = EngineLink(settings.upstream_timeout_s, self.client if transport is not None else None)
+        self.engine = EngineLink(settings.upstream_timeout_s, settings.engine_socket,
+                                 self.client if stand_in is not None else None)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
         self._local: set[Lease] = set()
         self._idle = asyncio.Event()

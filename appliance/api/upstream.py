@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -56,9 +57,11 @@ class _AiohttpUpstream:
 class EngineLink:
     """POST a generation request to the engine and get its answer as it streams."""
 
-    def __init__(self, timeout_s: float, stand_in: httpx.AsyncClient | None = None) -> None:
-        """stand_in: an httpx client to use instead of aiohttp (a test's fake engine); not closed here."""
+    def __init__(self, timeout_s: float, socket_path: Path | None, stand_in: httpx.AsyncClient | None = None) -> None:
+        """socket_path: the engine's Unix socket; stand_in: an httpx client to use instead of aiohttp (a
+        test's fake engine), not closed here."""
         self._timeout_s = timeout_s
+        self._socket = socket_path
         self._httpx = stand_in
         self._session: aiohttp.ClientSession | None = None  # made on first use: it binds to the running loop
 
@@ -66,7 +69,8 @@ class EngineLink:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 # Keep-alive connections to the engine save a TCP handshake per request.
-                connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=60),
+                connector=(aiohttp.UnixConnector(str(self._socket), limit=512, keepalive_timeout=60)
+                           if self._socket is not None else aiohttp.TCPConnector(limit=512, keepalive_timeout=60)),
                 timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self._timeout_s),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),

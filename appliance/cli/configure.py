@@ -44,7 +44,7 @@ def config_show(config_path: Path | None) -> None:
     data = json.loads(cfg.model_dump_json())
     try:
         args = plan_for_config(cfg).plan.vllm_args
-        data["engine_command"] = describe(build_launch(cfg, args, cfg.engine.port or 0, internal_key="(at start)"))
+        data["engine_command"] = describe(build_launch(cfg, args, internal_key="(at start)"))
     except PlanningError as e:
         data["engine_command"] = None
         data["plan_error"] = str(e)

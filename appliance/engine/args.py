@@ -10,26 +10,28 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.admission import AdmissionConfig
 from appliance.config import Config
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+# What the engine's clients put in their URLs; they reach it over its Unix socket, whatever the host says.
+ENGINE_BASE_URL = "http://engine"
 
 
 @dataclass(frozen=True)
 class EngineLaunch:
     argv: list[str]
     env: dict[str, str]
-    port: int
+    socket: Path
     internal_key: str = field(repr=False)
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    # The host part is only a label: every client of the engine connects through `socket`.
+    base_url = ENGINE_BASE_URL
 
 
-def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key: str,
+def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
                  base_env: dict[str, str] | None = None) -> EngineLaunch:
     """The exact child process the supervisor starts: the configuration plus the plan's engine settings.
 
@@ -48,11 +50,10 @@ def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key:
         str(cfg.model.path),
         "--served-model-name",
         cfg.served_name,
-        # The engine's port is private: loopback only, whatever the appliance listens on.
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        # No TCP port: a Unix socket in a directory only the service user can enter, so nobody but the
+        # appliance reaches the engine (vLLM's key guards only some of its routes).
+        "--uds",
+        str(cfg.engine_socket),
         *plan_args,
         # The appliance keeps its own per-request log; vLLM's access log would duplicate it.
         "--disable-uvicorn-access-log",
@@ -73,12 +74,15 @@ def build_launch(cfg: Config, plan_args: Sequence[str], port: int, internal_key:
             # Passed by environment, not argv, so it does not show in `ps`.
             "VLLM_API_KEY": internal_key,
             "PYTHONUNBUFFERED": "1",
+            # vLLM's ZeroMQ sockets between its API server and engine core are files in this directory
+            # (default: /tmp, where any local user could connect to them): the private one instead.
+            "VLLM_RPC_BASE_PATH": str(cfg.engine_socket.parent),
         }
     )
     # VLLM_CPU_KVCACHE_SPACE silently overrides --kv-cache-memory-bytes on the CPU
     # backend (docs/engine-notes.md); the plan's figure must win.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    return EngineLaunch(argv=argv, env=env, port=port, internal_key=internal_key)
+    return EngineLaunch(argv=argv, env=env, socket=cfg.engine_socket, internal_key=internal_key)
 
 
 def with_admission(cfg: Config, plan_args: Sequence[str]) -> list[str]:

@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from appliance.config import Config
-from appliance.engine.args import EngineLaunch, build_launch, describe
+from appliance.engine.args import ENGINE_BASE_URL, EngineLaunch, build_launch, describe
 from appliance.engine.guard import EXIT_LINE_PREFIX
 from kernels.backend import BackendTracker
 
@@ -45,7 +44,8 @@ _STATUS_HINTS = [
     (re.compile(r"No module named '?vllm'?"), "vLLM is not installed for engine.python; run `make setup`"),
     (re.compile(r"(does not appear to have|Can't load|not a valid model|Invalid repository ID)", re.I),
      "the model folder could not be loaded; check model.path"),
-    (re.compile(r"Address already in use"), "engine.port is taken; set engine.port = 0 to pick a free one"),
+    (re.compile(r"Address already in use"), "the engine's socket is taken by another engine; is a second "
+                                            "appliance using the same state directory?"),
     (re.compile(r"max_model_len.*(greater|larger|exceeds)", re.I),
      "engine.max_model_len is larger than the model or the KV pool allows"),
 ]
@@ -85,10 +85,29 @@ class EngineStatus:
 StateListener = Callable[[EngineStatus], Awaitable[None] | None]
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# sun_path holds 108 bytes with the terminating NUL (Linux).
+MAX_SOCKET_PATH = 107
+
+
+def prepare_socket_dir(socket_path: Path) -> Path:
+    """The engine's socket directory, private to this user (0700), with no stale socket left in it.
+
+    The directory's mode is what keeps everyone else out: a Unix socket's own mode is not checked by every
+    system, the directory's search permission is. An existing directory another user owns is refused
+    rather than trusted."""
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise OSError(f"{socket_path} is {len(os.fsencode(socket_path))} bytes, longer than the "
+                      f"{MAX_SOCKET_PATH} a Unix socket path may be; set engine.socket_dir to a shorter directory")
+    d = socket_path.parent
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.geteuid():
+        raise OSError(f"{d} belongs to uid {st.st_uid}, not to this service's user ({os.geteuid()}); "
+                      "remove it or set engine.socket_dir")
+    if st.st_mode & 0o077:
+        d.chmod(0o700)
+    socket_path.unlink(missing_ok=True)  # left by an engine that was killed: vLLM would fail to bind
+    return socket_path
 
 
 def explain_exit(returncode: int, last_lines: list[str]) -> str:
@@ -248,8 +267,11 @@ class EngineSupervisor:
 
     async def _one_attempt(self, first: bool) -> str:
         self._relaunch_reason = None  # asked for between attempts: this attempt already uses the new arguments
-        port = self.cfg.engine.port or free_loopback_port()
-        self.launch = build_launch(self.cfg, self.engine_args, port, self.internal_key)
+        try:
+            socket_path = prepare_socket_dir(self.cfg.engine_socket)
+        except OSError as e:
+            return f"cannot prepare the engine's socket directory: {e}"
+        self.launch = build_launch(self.cfg, self.engine_args, self.internal_key)
         self.last_lines.clear()
         self._engine_pgid = None
         self._backend = BackendTracker()
@@ -257,7 +279,7 @@ class EngineSupervisor:
             await self._set(EngineState.STARTING, "loading model")
         else:
             self.status.reason = f"{self.status.reason.split(';')[0]}; loading model again"
-        log.info("starting engine on 127.0.0.1:%d: %s", port, describe(self.launch))
+        log.info("starting engine on unix:%s: %s", socket_path, describe(self.launch))
         argv = [
             self._guard_python, "-m", "appliance.engine.guard",
             "--parent-pid", str(os.getpid()),
@@ -280,14 +302,14 @@ class EngineSupervisor:
         self.status.pid = self._proc.pid
         pump = asyncio.create_task(self._pump_logs(self._proc))
         exited = asyncio.create_task(_exit_status(self._proc))
-        healthy = asyncio.create_task(self._wait_healthy(self.launch.base_url))
+        healthy = asyncio.create_task(self._wait_healthy(socket_path))
         done, _ = await asyncio.wait(
             {exited, healthy}, timeout=self.cfg.engine.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         if healthy in done and healthy.result():
             self._ready.set()
             await self._set(EngineState.READY, "serving")
-            log.info("engine ready on 127.0.0.1:%d", port)
+            log.info("engine ready on unix:%s", socket_path)
             await exited
         elif not done:
             healthy.cancel()
@@ -313,12 +335,12 @@ class EngineSupervisor:
         except TimeoutError:
             log.warning("engine log pipe still open 5s after the engine exited; not waiting for it")
 
-    async def _wait_healthy(self, base_url: str) -> bool:
-        # The engine speaks plain HTTP on loopback, so there is no certificate to verify; verify=False
-        # spares this event loop httpx's per-client parse of the whole CA bundle (OpenSSL 3: tens of ms of
-        # CPU, once seen to stall a starved process for a minute) on every engine start.
-        assert base_url.startswith("http://127.0.0.1:"), base_url
-        async with httpx.AsyncClient(base_url=base_url, timeout=2.0, verify=False) as client:
+    async def _wait_healthy(self, socket_path: Path) -> bool:
+        # verify=False: no TLS on a Unix socket, and it spares this event loop httpx's per-client parse of
+        # the whole CA bundle (OpenSSL 3: tens of ms of CPU, once seen to stall a starved process a minute).
+        transport = httpx.AsyncHTTPTransport(uds=str(socket_path))
+        async with httpx.AsyncClient(base_url=ENGINE_BASE_URL, transport=transport, timeout=2.0,
+                                     verify=False) as client:
             while True:
                 try:
                     r = await client.get("/health")

@@ -29,7 +29,7 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def _running_requests(app: RunningAppliance) -> float:
     try:
-        text = loopback.get(f"{app.engine_url}/metrics", timeout=2).text
+        text = app.engine_get("/metrics", timeout=2).text
     except httpx.HTTPError:
         return 0.0
     for line in text.splitlines():

@@ -30,7 +30,7 @@ def _error(resp: httpx.Response) -> dict:
 
 
 def _running(appliance: RunningAppliance) -> float:
-    text = loopback.get(f"{appliance.engine_url}/metrics", timeout=5).text
+    text = appliance.engine_get("/metrics", timeout=5).text
     m = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
     assert m, "engine exports vllm:num_requests_running"
     return float(m.group(1))

@@ -97,7 +97,7 @@ def test_a_scrape_never_calls_the_engine(tmp_path):
     # An engine that answers, on the gateway's own client: a scrape that still called it would be seen.
     made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
     cfg, application, log, gw = made.cfg, made.app, made.log, made.gateway
-    gw.supervisor.launch = build_launch(cfg, [], 8123, "k")
+    gw.supervisor.launch = build_launch(cfg, [], "k")
     watch = EngineWatch(gw.client, lambda: gw.supervisor.base_url,
                         on_error=gw.metrics.engine_scrape_errors.inc)
     gw.metrics.attach_engine(lambda: watch.latest_text)

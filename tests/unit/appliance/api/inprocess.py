@@ -52,7 +52,7 @@ def serving(tmp_path: Path, engine: Callable[[httpx.Request], httpx.Response],
     from appliance.engine.supervisor import EngineState
 
     made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=admission)
-    made.gateway.supervisor.launch = build_launch(made.cfg, [], 8123, "k")
+    made.gateway.supervisor.launch = build_launch(made.cfg, [], "k")
     made.gateway.supervisor.status.state = EngineState.READY
     return made
 

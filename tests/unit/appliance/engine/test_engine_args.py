@@ -20,7 +20,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
-    launch = build_launch(_cfg(), PLAN_ARGS, port=41000, internal_key="k", base_env={})
+    launch = build_launch(_cfg(), PLAN_ARGS, internal_key="k", base_env={})
     argv = launch.argv
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--kv-cache-memory-bytes") == str(3 * 1024**3)
@@ -28,19 +28,26 @@ def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
     assert _flag(argv, "--max-num-seqs") == "10"  # 8 planned, and 2 for gold's reserve taken back
     assert _flag(argv, "--model") == "/models/smol"
     assert _flag(argv, "--served-model-name") == "smol"
-    assert _flag(argv, "--host") == "127.0.0.1" and _flag(argv, "--port") == "41000"
     assert "--enforce-eager" not in argv
-    assert launch.base_url == "http://127.0.0.1:41000"
 
 
-def test_engine_is_private_even_when_the_api_listens_everywhere():
+def test_engine_has_no_tcp_port_even_when_the_api_listens_everywhere():
     cfg = config.parse('[model]\npath = "/m"\n[server]\nhost = "0.0.0.0"\n')
-    launch = build_launch(cfg, PLAN_ARGS, port=1, internal_key="k", base_env={})
-    assert _flag(launch.argv, "--host") == "127.0.0.1"
+    launch = build_launch(cfg, PLAN_ARGS, internal_key="k", base_env={})
+    assert "--host" not in launch.argv and "--port" not in launch.argv
+    assert _flag(launch.argv, "--uds") == "/var/lib/appliance/engine/api.sock" == str(launch.socket)
+    # vLLM's own ZeroMQ sockets go in the same private directory, not /tmp
+    assert launch.env["VLLM_RPC_BASE_PATH"] == "/var/lib/appliance/engine"
+
+
+def test_an_older_configuration_naming_engine_port_still_loads(caplog):
+    cfg = config.parse('[model]\npath = "/m"\n[engine]\nport = 8001\nsocket_dir = "/run/x"\n')
+    assert cfg.engine_socket == Path("/run/x/api.sock")
+    assert "engine.port is no longer used" in caplog.text
 
 
 def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
-    launch = build_launch(_cfg(), PLAN_ARGS, port=1, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
+    launch = build_launch(_cfg(), PLAN_ARGS, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
     env = launch.env
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_API_KEY"] == "sekrit"
@@ -52,7 +59,7 @@ def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
 
 
 def test_extra_args_and_eager_are_appended():
-    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), PLAN_ARGS, port=1, internal_key="k",
+    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), PLAN_ARGS, internal_key="k",
                           base_env={})
     assert launch.argv[-3:] == ["--enforce-eager", "--seed", "7"]
 
@@ -60,9 +67,9 @@ def test_extra_args_and_eager_are_appended():
 def test_admission_turns_on_priority_scheduling_with_room_for_the_reserve_taken_back():
     # The default classes: gold reserves a quarter of 8 slots, 2, which the engine must be able to run
     # beyond the 8 the others may fill.
-    argv = build_launch(_cfg(), PLAN_ARGS, port=1, internal_key="k", base_env={}).argv
+    argv = build_launch(_cfg(), PLAN_ARGS, internal_key="k", base_env={}).argv
     assert _flag(argv, "--scheduling-policy") == "priority"
     assert _flag(argv, "--max-num-seqs") == "10"
     cfg = config.parse('[model]\npath = "/m"\n[admission]\nenabled = false\n')
-    argv = build_launch(cfg, PLAN_ARGS, port=1, internal_key="k", base_env={}).argv
+    argv = build_launch(cfg, PLAN_ARGS, internal_key="k", base_env={}).argv
     assert "--scheduling-policy" not in argv and _flag(argv, "--max-num-seqs") == "8"
