@@ -81,6 +81,12 @@ class ServerSection(_Section):
     retry_after_s: Annotated[int, Field(ge=1, le=3600)] = Field(default=5,
         description="Retry-After on 503 while the engine is not ready.")
     upstream_timeout_s: Seconds = Field(default=600.0, description="Longest a request may wait on the engine.")
+    header_timeout_s: Seconds = Field(default=10.0,
+        description="A connection whose request headers are not all in by then gets 408 and is closed.")
+    body_timeout_s: Seconds = Field(default=60.0,
+        description="A request body not all in by then, after its headers, gets 408 and is closed.")
+    max_connections: Annotated[int, Field(ge=1)] = Field(default=1024,
+        description="Open client connections at most; past it a new one gets 503 with Retry-After.")
     max_choices: Annotated[int, Field(ge=1, le=128)] = Field(default=4,
         description="Largest n (and best_of) a request may ask for; each choice is a sequence in the engine, "
                     "and admission counts it as one.")
@@ -96,7 +102,7 @@ class EngineSection(_Section):
     python: str = Field(default="", description="Interpreter that has vLLM installed; default: the appliance's own.")
     socket_dir: Path | None = Field(default=None,
         description="Private directory (made 0700) for the engine's Unix socket, its only way in; "
-                    "default: <state>/engine. The socket path must stay under 108 bytes.")
+                    "default: <state>/engine. At most 70 bytes long: Unix socket paths are short.")
     kv_cache_memory_bytes: ByteSize | None = Field(
         default=None,
         description="Exact KV pool passed to vLLM; unset: the plan sizes it from the GPU (required without a GPU).",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from fastapi import FastAPI
 from appliance import state_dump
 from appliance.admission import AdmissionGate
 from appliance.api.gateway import Gateway
+from appliance.api.http_protocol import GuardedHttpProtocol
 from appliance.config import Config, ConfigError
 from appliance.config import load as load_config
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
@@ -91,6 +93,7 @@ class Daemon:
 
     async def run(self) -> int:
         self._log_plan()
+        _raise_fd_limit(self.cfg.server.max_connections)
         self.cfg.state.directory.mkdir(parents=True, exist_ok=True)
         self.request_log.start()
         server = _ApiServer(
@@ -102,6 +105,9 @@ class Daemon:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=10,
+                http=GuardedHttpProtocol.configured(
+                    header_timeout_s=self.cfg.server.header_timeout_s, body_timeout_s=self.cfg.server.body_timeout_s,
+                    max_connections=self.cfg.server.max_connections, retry_after_s=self.cfg.server.retry_after_s),
             )
         )
         self._server = server
@@ -251,3 +257,21 @@ def serve(ready) -> int:
     except ImportError:  # uvloop is optional; asyncio's own loop works, a little slower
         return asyncio.run(daemon.run())
     return uvloop.run(daemon.run())
+
+
+# Beyond the client connections: the engine's, the database's, logs, the engine's pipes.
+_FD_HEADROOM = 256
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Lift the soft open-files limit to the hard one (systemd's default soft limit is 1024), so the
+    connection cap, not the limit, is what refuses a client; say so when even the hard limit is short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, max_connections + _FD_HEADROOM)
+    if want > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    if soft < max_connections + _FD_HEADROOM:
+        log.warning("open-files limit %d is short of server.max_connections %d plus %d: raise LimitNOFILE in "
+                    "the unit or lower max_connections", soft, max_connections, _FD_HEADROOM)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -118,6 +119,12 @@ def shared_engine_cache() -> Path:
     return Path(base) / "appliance" / "test-engine-cache"
 
 
+def short_private_dir() -> Path:
+    """A directory for the engine's sockets whose path stays short: pytest's own folders are too long for a
+    Unix socket path (appliance.engine.supervisor.MAX_SOCKET_DIR). Made 0700, as the daemon wants it."""
+    return Path(tempfile.mkdtemp(prefix="ae-")) / "engine"
+
+
 def write_config(directory: Path, *, port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
                  extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
@@ -140,6 +147,7 @@ retry_after_s = 3
 directory = "{directory / 'state'}"
 
 [engine]
+socket_dir = "{short_private_dir()}"
 kv_cache_memory_bytes = {kv_toml}
 max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}

@@ -29,6 +29,7 @@ from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
 from appliance.api.disconnect import ClientGone, ClosingStream, race_disconnect, read_or_leave
 from appliance.api.errors import ApiError, error_body, retry_later
+from appliance.api.http_protocol import BODY_TIMED_OUT
 from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
@@ -161,6 +162,10 @@ class Gateway:
         except ApiError:
             raise
         except ClientDisconnect:  # left while sending the body: theirs to end, not a fault of ours
+            if request.scope.get("state", {}).get(BODY_TIMED_OUT):  # the connection layer ended it: 408 sent
+                rec.status, rec.error_code = 408, "body_timeout"
+                self.recorder.record(rec, t0)
+                return Response(status_code=408)
             return self.recorder.client_gone(rec, t0)
         except Exception as e:
             # A fault of the gateway's own: one log record with its traceback, the request in the

@@ -85,8 +85,10 @@ class EngineStatus:
 StateListener = Callable[[EngineStatus], Awaitable[None] | None]
 
 
-# sun_path holds 108 bytes with the terminating NUL (Linux).
+# sun_path holds 108 bytes with the terminating NUL (Linux). vLLM names its ZeroMQ sockets in the same
+# directory with a 36-character UUID, so the directory itself may take 107 - 37 bytes.
 MAX_SOCKET_PATH = 107
+MAX_SOCKET_DIR = MAX_SOCKET_PATH - 37
 
 
 def prepare_socket_dir(socket_path: Path) -> Path:
@@ -95,10 +97,11 @@ def prepare_socket_dir(socket_path: Path) -> Path:
     The directory's mode is what keeps everyone else out: a Unix socket's own mode is not checked by every
     system, the directory's search permission is. An existing directory another user owns is refused
     rather than trusted."""
-    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
-        raise OSError(f"{socket_path} is {len(os.fsencode(socket_path))} bytes, longer than the "
-                      f"{MAX_SOCKET_PATH} a Unix socket path may be; set engine.socket_dir to a shorter directory")
     d = socket_path.parent
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH or len(os.fsencode(d)) > MAX_SOCKET_DIR:
+        raise OSError(f"{d} is {len(os.fsencode(d))} bytes long: the engine's sockets in it would pass the "
+                      f"{MAX_SOCKET_PATH} bytes a Unix socket path may have (at most {MAX_SOCKET_DIR} for the "
+                      "directory); set engine.socket_dir to a shorter one, such as /run/appliance")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = d.stat()
     if st.st_uid != os.geteuid():

@@ -1,0 +1,125 @@
+"""The HTTP/1.1 connection layer: uvicorn's httptools protocol with what an exposed server needs and
+uvicorn does not do.
+
+- A header deadline: uvicorn arms no timer before a request's headers are complete, so a connection
+  that opens and sends nothing, or sends its headers a byte at a time, stays open forever; enough of
+  them exhaust the daemon's file descriptors (issue 15). Past `header_timeout_s`: 408, closed.
+- A body deadline: the same for a body sent slower than `body_timeout_s` allows. The request the
+  application is serving sees the client leave (`BODY_TIMED_OUT` in its scope state says why).
+- A connection cap: past `max_connections` a new connection gets 503 with Retry-After and is closed,
+  before it costs a request task. (uvicorn's own limit_concurrency answers text/plain, after parsing.)
+- Every refusal at this layer, malformed framing included, is an OpenAI-style JSON error body rather
+  than uvicorn's text/plain, so a client's error handling sees the same shape everywhere.
+
+A subclass, not a fork: only the hooks named below are overridden, each calling uvicorn's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from appliance.api.errors import error_body
+
+BODY_TIMED_OUT = "body_timed_out"  # set in the request's scope state when the body deadline passed
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
+
+
+def refusal(status: int, message: str, code: str, retry_after_s: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, with an OpenAI-style error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = json.dumps(error_body(message, kind, None, code)).encode()
+    head = [b"HTTP/1.1 %d %s" % (status, _REASONS[status]), b"content-type: application/json",
+            b"content-length: %d" % len(body), b"connection: close"]
+    if retry_after_s is not None:
+        head.append(b"retry-after: %d" % retry_after_s)
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
+    retry_after_s: int = 5
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def configured(cls, *, header_timeout_s: float, body_timeout_s: float, max_connections: int,
+                   retry_after_s: int) -> type[GuardedHttpProtocol]:
+        """The class uvicorn instantiates per connection, carrying this server's limits."""
+        return type("GuardedHttpProtocol", (cls,), {
+            "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+            "max_connections": max_connections, "retry_after_s": retry_after_s})
+
+    # -- uvicorn's hooks ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, f"the appliance has {self.max_connections} connections open, its limit; retry "
+                              "later", "too_many_connections", self.retry_after_s)
+            return
+        self._arm(self.header_timeout_s, self._headers_too_slow)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:  # a keep-alive connection's next request
+            self._arm(self.header_timeout_s, self._headers_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.more_body:
+            self._arm(self.body_timeout_s, self._body_too_slow)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, f"malformed HTTP request: {msg}", "bad_http_request")
+
+    # -- ours -----------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, then: Any) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, then)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _refuse(self, status: int, message: str, code: str, retry_after_s: int | None = None) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.write(refusal(status, message, code, retry_after_s))
+            self.transport.close()
+
+    def _headers_too_slow(self) -> None:
+        self._deadline = None
+        self._refuse(408, f"the request's headers did not arrive within {self.header_timeout_s:g}s",
+                     "header_timeout")
+
+    def _body_too_slow(self) -> None:
+        self._deadline = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_started:
+            return
+        # The application is waiting for the rest of the body: it sees the client leave, and the scope
+        # says why, so the request log can say 408 rather than "client disconnected".
+        self.scope["state"][BODY_TIMED_OUT] = True
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refuse(408, f"the request body did not arrive within {self.body_timeout_s:g}s", "body_timeout")
