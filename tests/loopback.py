@@ -43,3 +43,8 @@ def client(**kwargs: Any) -> httpx.Client:
 
 def async_client(**kwargs: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(verify=CONTEXT, **kwargs)
+
+
+def unix_client(path: str, **kwargs: Any) -> httpx.Client:
+    """A client for a server on a Unix socket (the engine's): its transport gets the one context too."""
+    return httpx.Client(transport=httpx.HTTPTransport(uds=path, verify=CONTEXT), verify=CONTEXT, **kwargs)

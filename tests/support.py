@@ -181,8 +181,7 @@ class RunningAppliance:
 
     def engine_get(self, path: str, **kwargs) -> httpx.Response:
         """GET from the engine itself, through its private Unix socket (as the appliance's user)."""
-        transport = httpx.HTTPTransport(uds=str(self.engine_socket))
-        with loopback.client(transport=transport, base_url="http://engine") as c:
+        with loopback.unix_client(str(self.engine_socket), base_url="http://engine") as c:
             return c.get(path, **kwargs)
 
     def log_text(self) -> str:

@@ -17,7 +17,7 @@ import psutil
 from appliance import config
 from appliance.engine.guard import EXIT_LINE_PREFIX
 from appliance.engine.supervisor import EngineState, EngineSupervisor, explain_exit
-from tests.support import REPO, wait_for
+from tests.support import REPO, short_private_dir, wait_for
 
 
 def _guard(cmd: list[str], grace: float = 5, parent: int | None = None) -> list[str]:
@@ -91,7 +91,7 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path):
     # /bin/false stands in for the interpreter: every start dies at once with status 1.
     cfg = config.parse(
         f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n'
-        '[engine]\npython = "/bin/false"\nrestart_backoff_initial_s = 0.05\nrestart_backoff_max_s = 0.2\n'
+        f'[engine]\nsocket_dir = "{short_private_dir()}"\npython = "/bin/false"\nrestart_backoff_initial_s = 0.05\nrestart_backoff_max_s = 0.2\n'
         "max_failures = 3\nfailure_window_s = 60\n"
     )
     seen: list[str] = []
@@ -120,7 +120,7 @@ def _fake_engine_config(tmp_path: Path, engine_extra: str) -> config.Config:
     fake.chmod(0o755)
     return config.parse(
         f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n'
-        f'[engine]\npython = "{fake}"\n{engine_extra}\n'
+        f'[engine]\nsocket_dir = "{short_private_dir()}"\npython = "{fake}"\n{engine_extra}\n'
     )
 
 
