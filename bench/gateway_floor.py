@@ -33,10 +33,11 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from appliance import config  # noqa: E402
+from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
 from bench.stand_in import serve_sse  # noqa: E402
-from tests.support import free_port  # noqa: E402
+from tests.support import asgi_body, free_port  # noqa: E402
 
 EVENTS = 64
 EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -58,15 +59,10 @@ def least_relay(port: int, engine_socket: str) -> None:
     async def app(scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+        body = await asgi_body(receive)
         if not session:
             session.append(aiohttp.ClientSession(connector=aiohttp.UnixConnector(engine_socket)))
-        async with session[0].post(f"http://engine{scope['path']}", data=body,
+        async with session[0].post(f"{ENGINE_BASE_URL}{scope['path']}", data=body,
                                    headers={"content-type": "application/json"}) as r:
             await send({"type": "http.response.start", "status": r.status,
                         "headers": [(b"content-type", b"text/event-stream")]})
@@ -86,7 +82,6 @@ def appliance_gateway(port: int, tmp: str) -> None:
 
     from appliance import config
     from appliance.assembly import build
-    from appliance.engine.args import ENGINE_BASE_URL
     from appliance.engine.supervisor import EngineState
     from appliance.planning import plan_for_config
 

@@ -40,6 +40,7 @@ import tomli_w
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from appliance import keys  # noqa: E402
+from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from tests.support import default_model_path, free_port, launch_appliance, shared_engine_cache  # noqa: E402
 
 PROMPTS = ["Hello!", "Name a colour.", "What is 2+2?", "Say something nice.", "Capital of Italy?"]
@@ -197,7 +198,7 @@ async def run(args: argparse.Namespace) -> None:
         direct_auth = [{"Authorization": f"Bearer {engine_key}"}]
         direct = aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(app.engine_socket), limit=0),
                                        timeout=aiohttp.ClientTimeout(total=600))
-        paths = [Route("direct", "http://engine/v1/chat/completions", direct_auth, [], direct)]
+        paths = [Route("direct", f"{ENGINE_BASE_URL}/v1/chat/completions", direct_auth, [], direct)]
         if NGINX.exists():
             nginx, nginx_port = start_nginx(tmp, app.engine_socket)
             paths.append(Route("nginx", f"http://127.0.0.1:{nginx_port}/v1/chat/completions", direct_auth,

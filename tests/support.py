@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 
 from appliance import config
+from appliance.engine.args import ENGINE_BASE_URL
 from tests import loopback
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +68,16 @@ def serve_in_thread(app, port: int, **config) -> ThreadedServer:
         time.sleep(0.05)
     assert server.started, f"uvicorn did not start on port {port}"
     return ThreadedServer(server, thread)
+
+
+async def asgi_body(receive) -> bytes:
+    """A whole request body read from ASGI `receive` (the tests' and benches' stand-in servers)."""
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            return body
 
 
 def free_port() -> int:
@@ -181,7 +192,7 @@ class RunningAppliance:
 
     def engine_get(self, path: str, **kwargs) -> httpx.Response:
         """GET from the engine itself, through its private Unix socket (as the appliance's user)."""
-        with loopback.unix_client(str(self.engine_socket), base_url="http://engine") as c:
+        with loopback.unix_client(str(self.engine_socket), base_url=ENGINE_BASE_URL) as c:
             return c.get(path, **kwargs)
 
     def log_text(self) -> str:
@@ -325,12 +336,12 @@ def sockets(app: RunningAppliance) -> str:
                                 timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
         return f"(ss: {e})"
-    # ss pads its columns to the terminal's width: one space apart is enough to read
-    lines = [" ".join(line.split()) for line in (out.stdout or out.stderr).splitlines()]
-    unix = [" ".join(line.split()) for line in (engine.stdout or engine.stderr).splitlines()]
-    return ("state recv-q send-q local peer process (then its TCP info)\n" + "\n".join(line for line in lines if line)
-            + "\nthe engine's Unix socket (netid state recv-q send-q local peer process):\n"
-            + "\n".join(line for line in unix if line))
+    def tidy(run: subprocess.CompletedProcess) -> str:
+        # ss pads its columns to the terminal's width: one space apart is enough to read
+        return "\n".join(" ".join(line.split()) for line in (run.stdout or run.stderr).splitlines() if line.strip())
+
+    return (f"state recv-q send-q local peer process (then its TCP info)\n{tidy(out)}\n"
+            f"the engine's Unix socket (netid state recv-q send-q local peer process):\n{tidy(engine)}")
 
 
 def other_threads() -> str:

@@ -78,12 +78,11 @@ class Gateway:
         # One pooled client for the daemon's lifetime: keep-alive connections to the engine save a TCP
         # handshake per request. `transport` replaces the network in tests, as in httpx's own.
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        if transport is None and settings.engine_socket is not None:
-            # The engine's only way in (appliance.engine.args): its private Unix socket.
-            transport = httpx.AsyncHTTPTransport(uds=str(settings.engine_socket), limits=limits)
-            stand_in = None
-        else:
-            stand_in = transport
+        stand_in = transport is not None
+        if not stand_in and settings.engine_socket is not None:
+            # The engine's only way in (appliance.engine.args): its private Unix socket. No TLS there, so
+            # verify=False: no CA bundle parsed for a context nothing uses.
+            transport = httpx.AsyncHTTPTransport(uds=str(settings.engine_socket), limits=limits, verify=False)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
             limits=limits,
@@ -92,7 +91,7 @@ class Gateway:
         # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why), unless a
         # test's transport stands in for the engine.
         self.engine = EngineLink(settings.upstream_timeout_s, settings.engine_socket,
-                                 self.client if stand_in is not None else None)
+                                 self.client if stand_in else None)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
         self._local: set[Lease] = set()
         self._idle = asyncio.Event()
@@ -163,9 +162,7 @@ class Gateway:
             raise
         except ClientDisconnect:  # left while sending the body: theirs to end, not a fault of ours
             if request.scope.get("state", {}).get(BODY_TIMED_OUT):  # the connection layer ended it: 408 sent
-                rec.status, rec.error_code = 408, "body_timeout"
-                self.recorder.record(rec, t0)
-                return Response(status_code=408)
+                return self.recorder.client_gone(rec, t0, 408, "body_timeout")
             return self.recorder.client_gone(rec, t0)
         except Exception as e:
             # A fault of the gateway's own: one log record with its traceback, the request in the

@@ -47,11 +47,14 @@ class Recorder:
         error.headers.setdefault("X-Request-Id", rec.id)
         return error
 
-    def client_gone(self, rec: RequestRecord, t0: float) -> Response:
-        # 499 (nginx's "client closed request"): nobody reads it, but the request log says what happened.
-        rec.status, rec.error_code = 499, "client_disconnected"
+    def client_gone(self, rec: RequestRecord, t0: float, status: int = 499,
+                    code: str = "client_disconnected") -> Response:
+        """The connection ended before an answer: 499 (nginx's "client closed request") when the client
+        left, or the status the connection layer already sent. Nobody reads this response; the request
+        log says what happened."""
+        rec.status, rec.error_code = status, code
         self.record(rec, t0)
-        return Response(status_code=499)
+        return Response(status_code=status)
 
     def finish(self, rec: RequestRecord, t0: float, status: int, content: bytes, headers: dict) -> Response:
         """A whole (non-streamed) answer: usage and text taken for the log, an error re-shaped."""

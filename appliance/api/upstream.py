@@ -67,10 +67,11 @@ class EngineLink:
 
     def _aiohttp(self) -> aiohttp.ClientSession:
         if self._session is None:
+            if self._socket is None:
+                raise RuntimeError("no engine socket: the engine is reached through it, or a test's stand-in")
             self._session = aiohttp.ClientSession(
-                # Keep-alive connections to the engine save a TCP handshake per request.
-                connector=(aiohttp.UnixConnector(str(self._socket), limit=512, keepalive_timeout=60)
-                           if self._socket is not None else aiohttp.TCPConnector(limit=512, keepalive_timeout=60)),
+                # Keep-alive connections to the engine save a connection set-up per request.
+                connector=aiohttp.UnixConnector(str(self._socket), limit=512, keepalive_timeout=60),
                 timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self._timeout_s),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),

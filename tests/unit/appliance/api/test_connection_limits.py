@@ -13,19 +13,14 @@ from contextlib import contextmanager
 import httpx
 
 from appliance.api.http_protocol import GuardedHttpProtocol
-from tests.support import free_port, serve_in_thread
+from tests.support import asgi_body, free_port, serve_in_thread
 from tests.unit.appliance.api.inprocess import serving
 
 LIMITS = {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "max_connections": 3, "retry_after_s": 7}
 
 
 async def echo(scope, receive, send) -> None:
-    body = b""
-    while True:
-        m = await receive()
-        body += m.get("body", b"")
-        if not m.get("more_body"):
-            break
+    body = await asgi_body(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": body or b"ok"})
 
