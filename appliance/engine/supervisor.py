@@ -134,6 +134,29 @@ def explain_exit(returncode: int, last_lines: list[str]) -> str:
     return how
 
 
+# How far back before an exit the engine's log may hold its cause. Older lines are not it: an error a
+# request provoked twenty minutes earlier would otherwise be quoted as the reason the engine died.
+EXIT_CONTEXT_S = 60.0
+
+
+class LogTail:
+    """The engine's last log lines, each with the time it came, so an exit is explained from its own."""
+
+    def __init__(self, maxlen: int = 60, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lines: deque[tuple[float, str]] = deque(maxlen=maxlen)
+        self._clock = clock
+
+    def append(self, line: str) -> None:
+        self._lines.append((self._clock(), line))
+
+    def clear(self) -> None:
+        self._lines.clear()
+
+    def recent(self, window_s: float) -> list[str]:
+        since = self._clock() - window_s
+        return [line for t, line in self._lines if t >= since]
+
+
 async def _exit_status(proc: asyncio.subprocess.Process) -> int:
     """The guard's exit status, as soon as it has exited.
 
@@ -153,7 +176,7 @@ class EngineSupervisor:
         self.status = EngineStatus()
         self.launch: EngineLaunch | None = None
         self.gave_up = asyncio.Event()
-        self.last_lines: deque[str] = deque(maxlen=60)
+        self.last_lines = LogTail()
         self._backend = BackendTracker()
         self._guard_python = guard_python or sys.executable
         self._listeners: list[StateListener] = []
@@ -330,7 +353,7 @@ class EngineSupervisor:
         await self._drain(pump)
         rc = exited.result()
         self.status.pid = None
-        return explain_exit(rc, list(self.last_lines))
+        return explain_exit(rc, self.last_lines.recent(EXIT_CONTEXT_S))
 
     async def _drain(self, pump: asyncio.Task[None]) -> None:
         try:

@@ -16,7 +16,7 @@ import psutil
 
 from appliance import config
 from appliance.engine.guard import EXIT_LINE_PREFIX
-from appliance.engine.supervisor import EngineState, EngineSupervisor, explain_exit
+from appliance.engine.supervisor import EXIT_CONTEXT_S, EngineState, EngineSupervisor, LogTail, explain_exit
 from tests.support import REPO, short_private_dir, wait_for
 
 
@@ -85,6 +85,24 @@ def test_explain_exit_gives_an_operator_hint():
     assert msg.startswith("engine exited with status 1") and "kv_cache_memory_bytes" in msg
     assert explain_exit(137, [f"{EXIT_LINE_PREFIX} engine killed by signal SIGKILL"]) == "engine killed by signal SIGKILL"
     assert "last error: ValueError: bad" in explain_exit(1, ["ValueError: bad"])
+
+
+def test_an_old_error_is_not_quoted_as_the_reason_the_engine_died():
+    """An error line a request provoked long before the exit (issue 15) is not the exit's cause."""
+    now = [0.0]
+    tail = LogTail(clock=lambda: now[0])
+    tail.append("ValueError: prompt too long for the model")
+    now[0] += 20 * 60
+    tail.append("RuntimeError: engine core died")
+    tail.append(f"{EXIT_LINE_PREFIX} engine exited with status 1")
+    reason = explain_exit(1, tail.recent(EXIT_CONTEXT_S))
+    assert reason == "engine exited with status 1; last error: RuntimeError: engine core died", reason
+    now[0] += 5
+    quiet = LogTail(clock=lambda: now[0])
+    quiet.append("ValueError: prompt too long for the model")
+    now[0] += 20 * 60
+    quiet.append(f"{EXIT_LINE_PREFIX} engine exited with status 1")
+    assert explain_exit(1, quiet.recent(EXIT_CONTEXT_S)) == "engine exited with status 1"
 
 
 def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path):
