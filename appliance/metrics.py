@@ -118,6 +118,8 @@ class Metrics:
                                      buckets=(1, 2, 5, 10, 30, 60), registry=r)
         self.doctor_actions = Counter("appliance_doctor_actions", "Changes the daemon made on the doctor's "
                                       "findings, by action", ["action"], registry=r)
+        self.faults = Counter("appliance_internal_errors", "Faults of the appliance's own code, answered with a "
+                              "500 and logged with a traceback, by route", ["route"], registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0
@@ -132,6 +134,9 @@ class Metrics:
             if rec.completion_tokens and rec.completion_tokens > 1 and rec.total_ms is not None:
                 per_token = (rec.total_ms - rec.ttft_ms) / 1000 / (rec.completion_tokens - 1)
                 self.tpot.labels(rec.route, cls).observe(per_token)
+
+    def observe_fault(self, route: str) -> None:
+        self.faults.labels(route).inc()
 
     def observe_forward(self, result: str) -> None:
         self.forwarded.labels(result).inc()

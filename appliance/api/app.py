@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from appliance import __version__
 from appliance.api.auth import ApiKeyAuth
 from appliance.api.errors import ApiError, install_handlers
+from appliance.api.faults import FaultBarrier
 from appliance.api.gateway import Gateway
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
@@ -135,4 +136,6 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, "/v1/completions", CompletionRequest)
 
+    # Added last, so outermost: it also catches a fault in the key middleware.
+    app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)
     return app

@@ -169,6 +169,8 @@ class Gateway:
             # metrics and the request log like any other, and an OpenAI-style 500 on a connection that
             # stays open (an exception left to Starlette is logged twice and closes it).
             log.exception("request %s: %s in the gateway", rid, type(e).__name__, extra={"REQUEST_ID": rid})
+            if self.metrics is not None:
+                self.metrics.observe_fault(rec.route)
             raise self.recorder.failed(rec, t0, ApiError(
                 500, f"internal error in the appliance (request {rid}); its log has the details",
                 code="internal_error")) from None
@@ -182,7 +184,7 @@ class Gateway:
             parsed = validate_body(schema, body)
             text = prompt_text(body)  # once: for the estimate and, when kept, the request log
             prompt_tokens, most = estimate_tokens(text), max_tokens(parsed)
-            seqs = self._sequences(body)
+            seqs = self._sequences(parsed)
             limit = self._class_token_limit(cls)
             if most is None and limit is not None:
                 # Left out or null means "as many as the context allows" to the engine: the class limit
@@ -226,19 +228,15 @@ class Gateway:
             self.cascade.count("local")
         return await self._answer_locally(request, job, base)
 
-    def _sequences(self, body: dict) -> int:
+    def _sequences(self, parsed: Any) -> int:
         """The sequences the engine runs for this request (n, or best_of when larger), within max_choices."""
         seqs = 1
         for field in ("n", "best_of"):
-            value = body.get(field)
-            if value is None:
-                continue
-            if type(value) is not int or value < 1:
-                raise ApiError(400, f"{field} must be a whole number of at least 1", code="invalid_type", param=field)
-            if value > self.settings.max_choices:
+            value = getattr(parsed, field)
+            if value is not None and value > self.settings.max_choices:
                 raise ApiError(400, f"{field} is {value}; this appliance allows at most {self.settings.max_choices} "
                                "(server.max_choices)", code="too_many_choices", param=field)
-            seqs = max(seqs, value)
+            seqs = max(seqs, value or 1)
         return seqs
 
     def _class_token_limit(self, cls: str) -> int | None:

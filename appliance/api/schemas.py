@@ -31,6 +31,7 @@ class _Common(BaseModel):
     temperature: Number | None = None
     top_p: Number | None = None
     n: PositiveInt | None = None
+    best_of: PositiveInt | None = None  # typed here so a bad one fails like a bad n
 
 
 class ChatMessage(BaseModel):

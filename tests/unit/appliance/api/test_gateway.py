@@ -155,9 +155,12 @@ def test_n_and_best_of_are_bounded_by_max_choices(tmp_path):
         wide = call(made.app, "POST", "/v1/completions", json={**base, "n": 4000})
         best = call(made.app, "POST", "/v1/completions", json={**base, "best_of": 5})
         odd = call(made.app, "POST", "/v1/completions", json={**base, "best_of": "5"})
+        odd_n = call(made.app, "POST", "/v1/completions", json={**base, "n": "5"})
     finally:
         made.log.close()
     assert ok.status_code == 200 and seen == [4]
     assert (wide.status_code, wide.json()["error"]["code"], wide.json()["error"]["param"]) == (400, "too_many_choices", "n")
     assert (best.status_code, best.json()["error"]["param"]) == (400, "best_of")
-    assert (odd.status_code, odd.json()["error"]["param"]) == (400, "best_of")
+    # a string is a type error for either field, answered the same way
+    assert (odd.status_code, odd.json()["error"]["param"], odd.json()["error"]["code"]) == (422, "best_of", "invalid_type")
+    assert (odd_n.status_code, odd_n.json()["error"]["param"], odd_n.json()["error"]["code"]) == (422, "n", "invalid_type")

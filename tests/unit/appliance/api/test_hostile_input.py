@@ -110,9 +110,35 @@ def test_a_fault_in_the_gateway_is_logged_once_counted_and_recorded(served, monk
     assert seen == []
     metrics = made.gateway.metrics.render().decode()
     assert 'appliance_requests_total{class="silver",route="/v1/chat/completions",status="500"} 1.0' in metrics
+    assert 'appliance_internal_errors_total{route="/v1/chat/completions"} 1.0' in metrics
     made.log.close()
     rows = recent_requests(made.cfg.database_path)
     assert [(row["status"], row["error_code"]) for row in rows] == [(500, "internal_error")]
+
+
+def test_a_fault_on_any_other_route_is_logged_once_counted_and_answered(served, monkeypatch, caplog):
+    """Outside the generation routes a fault went to Starlette's handler, which re-raises it: two
+    tracebacks and a closed connection (httpx's ASGI transport raises it here). Now one log record, a
+    count by route template, and the OpenAI-style 500."""
+    _, _, made = served
+
+    def broken() -> str:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(made.gateway, "require_ready", broken)
+
+    async def get() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+            return await c.get("/v1/models")
+
+    with caplog.at_level("ERROR"):
+        r = asyncio.run(get())
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["code"] == "internal_error" and r.json()["error"]["type"] == "server_error"
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None, [e.getMessage() for e in errors]
+    assert "ValueError in the appliance on GET /v1/models" in errors[0].getMessage()
+    assert 'appliance_internal_errors_total{route="/v1/models"} 1.0' in made.gateway.metrics.render().decode()
 
 
 def test_a_client_leaving_mid_upload_is_a_499_not_an_error(served, caplog):
