@@ -123,7 +123,12 @@ def estimate_tokens(text: str) -> int:
 
 
 def max_tokens(parsed: Any) -> int | None:
-    return getattr(parsed, "max_completion_tokens", None) or parsed.max_tokens
+    """The output limit the engine will apply. Chat reads max_completion_tokens first, as vLLM does; a
+    completion request has no such field (vLLM ignores it there), so here it is any JSON value, unchecked,
+    and must count for nothing."""
+    if "max_completion_tokens" in type(parsed).model_fields:
+        return parsed.max_completion_tokens or parsed.max_tokens
+    return parsed.max_tokens
 
 
 @dataclass

@@ -132,12 +132,19 @@ def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_p
                     call(made.app, "POST", "/v1/chat/completions", bronze, json={**chat, "max_completion_tokens": None}),
                     call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi", "max_tokens": 8}),
                     call(made.app, "POST", "/v1/completions", gold, json={"model": "m", "prompt": "hi"}),
+                    # the fuzz suite's find: completions has no max_completion_tokens (vLLM ignores it there),
+                    # so it neither stands in for max_tokens nor, being any JSON value, breaks the gateway
+                    call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi",
+                                                                            "max_completion_tokens": 3}),
+                    call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi",
+                                                                            "max_completion_tokens": "x"}),
                     call(made.app, "POST", "/v1/completions", bronze, json={"model": "m", "prompt": "hi", "max_tokens": 17})]
     finally:
         made.log.close()
-    assert [r.status_code for r in statuses] == [200, 200, 200, 200, 200, 400]
+    assert [r.status_code for r in statuses] == [200, 200, 200, 200, 200, 200, 200, 400], [r.text for r in statuses]
     assert statuses[-1].json()["error"]["code"] == "max_tokens_over_class_limit"
-    assert seen == [(16, None), (16, None), (16, None), (8, None), (None, None)]  # gold has no limit
+    assert seen == [(16, None), (16, None), (16, None), (8, None), (None, None),  # gold has no limit
+                    (16, 3), (16, "x")]
 
 
 def test_n_and_best_of_are_bounded_by_max_choices(tmp_path):
