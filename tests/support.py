@@ -138,7 +138,7 @@ def short_private_dir() -> Path:
 
 def write_config(directory: Path, *, port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
-                 extra: str = "", engine_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
+                 extra: str = "", engine_extra: str = "", server_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
                  model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
@@ -153,6 +153,7 @@ served_name = "{served_name}"
 host = "127.0.0.1"
 port = {port or free_port()}
 retry_after_s = 3
+{server_extra}
 
 [state]
 directory = "{directory / 'state'}"
@@ -189,6 +190,10 @@ class RunningAppliance:
     @property
     def engine_socket(self) -> Path:
         return config.load(self.config).engine_socket
+
+    @property
+    def database(self) -> Path:
+        return config.load(self.config).database_path
 
     def engine_get(self, path: str, **kwargs) -> httpx.Response:
         """GET from the engine itself, through its private Unix socket (as the appliance's user)."""

@@ -10,6 +10,9 @@ uvicorn does not do.
   before it costs a request task. (uvicorn's own limit_concurrency answers text/plain, after parsing.)
 - Every refusal at this layer, malformed framing included, is an OpenAI-style JSON error body rather
   than uvicorn's text/plain, so a client's error handling sees the same shape everywhere.
+- A refusal lingers, as nginx's does: the answer, then FIN, then what the client still sends is read and
+  dropped for up to LINGER_S. Closed at once, a client still sending met a reset, and a reset makes the
+  client's kernel throw the unread answer away: it saw "connection reset" instead of the 400.
 
 A subclass, not a fork: only the hooks named below are overridden, each calling uvicorn's own.
 """
@@ -25,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from appliance.api.errors import error_body
 
 BODY_TIMED_OUT = "body_timed_out"  # set in the request's scope state when the body deadline passed
+
+LINGER_S = 2.0
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 
@@ -49,6 +54,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
 
     @classmethod
     def configured(cls, *, header_timeout_s: float, body_timeout_s: float, max_connections: int,
@@ -63,10 +69,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
+            # Closed at once, no linger: past the cap, file descriptors are what is short.
             self._refuse(503, f"the appliance has {self.max_connections} connections open, its limit; retry "
-                              "later", "too_many_connections", self.retry_after_s)
+                              "later", "too_many_connections", self.retry_after_s, linger=False)
             return
         self._arm(self.header_timeout_s, self._headers_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:  # lingering after a refusal: the rest of what the client sends is dropped
+            return
+        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -101,11 +113,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _refuse(self, status: int, message: str, code: str, retry_after_s: int | None = None) -> None:
+    def _refuse(self, status: int, message: str, code: str, retry_after_s: int | None = None,
+                linger: bool = True) -> None:
         self._disarm()
-        if not self.transport.is_closing():
-            self.transport.write(refusal(status, message, code, retry_after_s))
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self.transport.write(refusal(status, message, code, retry_after_s))
+        if not linger or not self.transport.can_write_eof():
             self.transport.close()
+            return
+        self.transport.write_eof()  # the answer, then FIN; the client's close (or the linger) ends it
+        self._arm(LINGER_S, self.transport.close)
 
     def _headers_too_slow(self) -> None:
         self._deadline = None

@@ -120,6 +120,22 @@ def test_malformed_framing_gets_a_json_400_not_text():
         _openai_error(body, "bad_http_request")
 
 
+def test_a_client_still_sending_when_refused_reads_the_refusal_not_a_reset():
+    """Found by the fuzz suite: a request malformed in its first piece was refused and the socket closed at
+    once, so the client's next piece met a closed socket and the kernel's reset threw the unread 400 away:
+    the client saw 'connection reset' and no answer. The refusal now lingers (as nginx does): the answer,
+    then FIN, and what the client still sends is read and dropped until it closes or the linger ends."""
+    with server() as port, socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"G ET /v1/models HTTP/1.1\r\n")
+        time.sleep(0.3)  # the server has refused and, without lingering, closed
+        s.sendall(b"Host: x\r\nContent-Length: 100000\r\n\r\n")
+        time.sleep(0.1)
+        s.sendall(b"x" * 100_000)
+        status, headers, body = _answer(s)
+    assert status == 400 and headers["content-type"] == "application/json"
+    _openai_error(body, "bad_http_request")
+
+
 def test_the_gateway_records_a_body_timeout_as_408_in_the_request_log(tmp_path):
     made = serving(tmp_path, lambda req: httpx.Response(500))
     with server(made.app) as port, socket.create_connection(("127.0.0.1", port)) as s:
