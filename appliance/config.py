@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from appliance.net import is_loopback
+from cascade.gateway_headers import check_fairness_template
 from cascade.policy import Escalate, Mode, PriorityClass
 from kvbudget.accounting import KvDtype
 from kvbudget.plan_types import SpeculativeTarget, Workload
@@ -171,6 +172,10 @@ class TargetsSection(_Section):
         default=None, description="A local EAGLE-3 draft folder (config.json + safetensors); enables EAGLE.")
 
 
+def _default_objectives() -> dict[PriorityClass, str]:
+    return {"gold": "edge-gold", "silver": "edge-silver", "bronze": "edge-bronze"}
+
+
 class RegionalSection(_Section):
     """The regional OpenAI-compatible cluster reached over the backhaul (used by cascade)."""
 
@@ -198,6 +203,25 @@ class RegionalSection(_Section):
     forward_poll_s: Seconds = Field(default=2.0, description="How often the forwarder looks for due escalations.")
     max_attempts: Annotated[int, Field(ge=1)] = Field(default=10,
         description="Answered errors (5xx, garbage) before an escalation is marked failed.")
+    llm_d_headers: bool = Field(default=False,
+        description="Send an llm-d inference gateway's scheduling headers with each escalation: the class's "
+                    "objective, a fairness id, the class's TTFT target and tpot_slo_ms. Off for a plain OpenAI "
+                    "endpoint.")
+    objectives: dict[PriorityClass, str] = Field(
+        default_factory=lambda: _default_objectives(),
+        description="InferenceObjective per priority class (x-gateway-inference-objective); the regional "
+                    "cluster defines them (packaging/regional/).")
+    fairness_id: str = Field(default="{site}/{tenant}", max_length=256,
+        description="x-gateway-inference-fairness-id: {site} is site.name, {tenant} the key's tenant "
+                    "(default when none).")
+    tpot_slo_ms: dict[PriorityClass, Annotated[int, Field(ge=1)]] = Field(default_factory=dict,
+        description="x-slo-tpot-ms per priority class; x-slo-ttft-ms is the class's own ttft_target_s.")
+
+    @field_validator("fairness_id")
+    @classmethod
+    def _fairness_fields(cls, v: str) -> str:
+        check_fairness_template(v)
+        return v
 
     @model_validator(mode="after")
     def _url_when_enabled(self) -> RegionalSection:

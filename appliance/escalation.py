@@ -5,6 +5,7 @@ from __future__ import annotations
 from appliance.config import Config
 from appliance.metrics import Metrics
 from cascade.forwarder import Forwarder
+from cascade.gateway_headers import GatewayHeaders
 from cascade.outbox import Outbox
 from cascade.policy import PolicyConfig, TenantPolicy, Thresholds
 from cascade.regional import RegionalClient, RegionalSettings
@@ -36,6 +37,16 @@ def regional_settings(cfg: Config) -> RegionalSettings:
         client_cert=r.client_cert, client_key=r.client_key, connect_timeout_s=r.connect_timeout_s,
         read_timeout_s=r.read_timeout_s, retries=r.retries, breaker_failures=r.breaker_failures,
         breaker_reset_s=r.breaker_reset_s, breaker_max_reset_s=r.breaker_max_reset_s,
+        gateway=gateway_headers(cfg) if r.llm_d_headers else None,
+    )
+
+
+def gateway_headers(cfg: Config) -> GatewayHeaders:
+    r = cfg.regional
+    return GatewayHeaders(
+        objectives={str(k): v for k, v in r.objectives.items()}, fairness_id=r.fairness_id, site=cfg.site.name,
+        ttft_ms={cls: round(c.ttft_target_s * 1000) for cls, c in cfg.admission.classes.items()},
+        tpot_ms={str(k): v for k, v in r.tpot_slo_ms.items()},
     )
 
 

@@ -57,6 +57,13 @@ class CircuitBreaker:
         elif self.state == "closed" and self._consecutive >= self.failures:
             self._open(self.reset_s)
 
+    def hold(self, seconds: float) -> None:
+        """The other side asked for a pause (429/503 with Retry-After): nothing goes over the link for
+        `seconds`, then one probe. Not a failure: the link works, and a dead link's doubling does not start."""
+        if self.state == "open" and self.retry_in_s >= seconds:
+            return
+        self._open(seconds)
+
     def _open(self, wait: float) -> None:
         self.state = "open"
         self._opened_at = self.clock()

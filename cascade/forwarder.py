@@ -73,7 +73,8 @@ class Forwarder:
     async def _send(self, esc: Escalation) -> bool:
         try:
             # The row holds the request exactly as it goes over the link (see service.regional_body).
-            answer = await self.client.complete(esc.route, esc.request, idempotency_key=esc.id)
+            answer = await self.client.complete(esc.route, esc.request, idempotency_key=esc.id,
+                                                priority_class=esc.priority_class, tenant=esc.tenant)
         except LinkDown as e:
             await asyncio.to_thread(self.outbox.release, esc.id, str(e))
             self.on_result("link_down")
@@ -86,7 +87,11 @@ class Forwarder:
             return False
         except RegionalFailed as e:
             wait = min(self.retry_max_s, self.retry_base_s * 2 ** esc.attempts)
-            status = await asyncio.to_thread(self.outbox.release, esc.id, str(e), wait, True, self.max_attempts)
+            # A cluster that said when to come back is not failing this escalation: it is not an attempt
+            # towards giving up, and it waits at least as long as asked.
+            told = e.retry_after_s is not None
+            status = await asyncio.to_thread(self.outbox.release, esc.id, str(e), max(wait, e.retry_after_s or 0.0),
+                                             not told, self.max_attempts)
             self.on_result("gave_up" if status == "failed" else "retry")
             return False
         await asyncio.to_thread(self.outbox.done, esc.id, answer.body)

@@ -63,6 +63,10 @@ class Escalation:
     delivered: float | None = None
     sends: int = 0  # times it went over the link (a resend after a crash counts)
 
+    @property
+    def priority_class(self) -> str:
+        return PRIORITY_CLASSES[self.priority] if 0 <= self.priority < len(PRIORITY_CLASSES) else "silver"
+
     def summary(self) -> dict[str, Any]:
         """Without the request and the answer: what lists and logs may show."""
         return {"id": self.id, "created": self.created, "status": self.status, "route": self.route,

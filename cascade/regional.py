@@ -8,7 +8,12 @@ Outcomes are sorted by what the caller should do:
 
 * `LinkDown`         connect failure, timeout, breaker open: the link is the problem; try later.
 * `RegionalRejected` 4xx other than 408/429: the request itself is wrong; retrying will not help.
-* `RegionalFailed`   5xx, 408, 429 or an answer that is not an OpenAI response: try later.
+* `RegionalFailed`   5xx, 408, 429 or an answer that is not an OpenAI response: try later. A 429 or 503
+                     with Retry-After (an llm-d gateway dropping work under load) holds the breaker for
+                     that long and carries it, so the forwarder waits as asked.
+
+With `RegionalSettings.gateway` set, each call also carries llm-d's scheduling headers for its class and
+tenant (cascade/gateway_headers.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import httpx
 
 from cascade.breaker import CircuitBreaker
+from cascade.gateway_headers import GatewayHeaders, refusal
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
@@ -43,7 +49,9 @@ class RegionalRejected(RegionalError):
 
 
 class RegionalFailed(RegionalError):
-    pass
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # the cluster said when to come back
 
 
 class TokenFileError(ValueError):
@@ -68,6 +76,7 @@ class RegionalSettings:
     breaker_failures: int = 3
     breaker_reset_s: float = 10.0
     breaker_max_reset_s: float = 300.0
+    gateway: GatewayHeaders | None = None  # llm-d's scheduling headers; None for a plain OpenAI endpoint
 
 
 def read_token(path: Path | None) -> str | None:
@@ -133,12 +142,15 @@ class RegionalClient:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def complete(self, route: str, body: dict[str, Any], idempotency_key: str) -> RegionalAnswer:
+    async def complete(self, route: str, body: dict[str, Any], idempotency_key: str, *,
+                       priority_class: str = "silver", tenant: str | None = None) -> RegionalAnswer:
         """One non-streamed completion; raises one of the RegionalError kinds above."""
         if not self.breaker.allow():
             raise LinkDown(f"the regional link is down (circuit open; next try in {self.breaker.retry_in_s:.0f}s)")
         payload = json.dumps(body).encode()
         headers = {IDEMPOTENCY_HEADER: idempotency_key, "Content-Type": "application/json"}
+        if self.settings.gateway is not None:
+            headers |= self.settings.gateway.for_request(priority_class, tenant)
         attempt = 0
         while True:
             try:
@@ -178,8 +190,16 @@ class RegionalClient:
             self.breaker.failure()
 
     def _judge(self, r: httpx.Response) -> RegionalAnswer:
+        refused = refusal(r.status_code, r.headers, cap_s=self.settings.breaker_max_reset_s)
+        if refused is not None and refused.retry_after_s is not None:
+            # Overloaded, and it said for how long: nothing more goes over the link until then.
+            self.link_up = True
+            self.breaker.hold(refused.retry_after_s)
+            raise RegionalFailed(refused.describe(), refused.retry_after_s)
         # Any HTTP answer proves the link works; whether the answer is usable is a separate question.
         self._link(True)
+        if refused is not None:
+            raise RegionalFailed(refused.describe())
         if r.status_code in (408, 429) or r.status_code >= 500:
             raise RegionalFailed(f"the regional cluster answered {r.status_code}: {r.text[:200]}")
         try:

@@ -93,13 +93,16 @@ class Cascade:
             return EscalationResult("queued", esc)
         await asyncio.to_thread(self.outbox.mark_sending, esc.id)
         try:
-            answer = await self.client.complete(route, body, idempotency_key=esc.id)
+            answer = await self.client.complete(route, body, idempotency_key=esc.id, priority_class=priority_class,
+                                                tenant=tenant)
         except RegionalRejected as e:
             await asyncio.to_thread(self.outbox.fail, esc.id, str(e))
             self.counts["failed"] += 1
             return EscalationResult("rejected", esc, error=str(e))
         except (LinkDown, RegionalFailed) as e:
-            await asyncio.to_thread(self.outbox.release, esc.id, str(e), 0.0, isinstance(e, RegionalFailed))
+            told = e.retry_after_s if isinstance(e, RegionalFailed) else None  # the cluster said when: not an attempt
+            await asyncio.to_thread(self.outbox.release, esc.id, str(e), told or 0.0,
+                                    isinstance(e, RegionalFailed) and told is None)
             self._queued(esc)
             return EscalationResult("queued", esc, error=str(e))
         except RegionalError as e:  # pragma: no cover - the three kinds above are all there are
