@@ -131,17 +131,22 @@ class Arrival:
     at: float  # time.time()
     path: str
     markers: frozenset[str] = field(default=frozenset())  # the marker() tokens its body carries
+    scheduling: dict[str, str] = field(default_factory=dict)  # the llm-d gateway headers it carried
 
     @classmethod
-    def of(cls, key: str | None, body: dict, path: str) -> Arrival:
-        return cls(key, body, time.time(), path, frozenset(MARKER.findall(json.dumps(body))))
+    def of(cls, key: str | None, body: dict, path: str, headers: Mapping[str, str] | None = None) -> Arrival:
+        scheduling = {k.lower(): v for k, v in (headers or {}).items()
+                      if k.lower().startswith(("x-gateway-inference-", "x-slo-"))}
+        return cls(key, body, time.time(), path, frozenset(MARKER.findall(json.dumps(body))), scheduling)
 
 
 class RegionalRecorder:
     def __init__(self, upstream: str, token: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.token = token
-        self.behaviour: Literal["normal", "garbage", "error500", "canned"] = "normal"
+        # drop: what an overloaded llm-d gateway answers (503, its drop reason, Retry-After: drop_retry_after)
+        self.behaviour: Literal["normal", "garbage", "error500", "canned", "drop"] = "normal"
+        self.drop_retry_after = 2
         self.arrivals: list[Arrival] = []  # every request received, in order
         self.applications: list[Arrival] = []  # those answered by the model (or canned), not from the store
         self._answers: dict[str, dict] = {}
@@ -166,11 +171,15 @@ class RegionalRecorder:
         if not self._authorised(request):
             return JSONResponse({"error": {"message": "bad token", "type": "auth"}}, status_code=401)
         body = await request.json()
-        arrival = Arrival.of(request.headers.get("idempotency-key"), body, request.url.path)
+        arrival = Arrival.of(request.headers.get("idempotency-key"), body, request.url.path, request.headers)
         with self._lock:
             self.arrivals.append(arrival)
         if self.behaviour == "garbage":
             return Response(b"<html>proxy error</html>", status_code=200, media_type="text/html")
+        if self.behaviour == "drop":
+            return JSONResponse({"error": {"message": "request dropped"}}, status_code=503,
+                                headers={"x-llm-d-request-dropped-reason": "saturated",
+                                         "retry-after": str(self.drop_retry_after)})
         if self.behaviour == "error500":
             return JSONResponse({"error": {"message": "regional overloaded"}}, status_code=500)
         # Concurrent repeats of a key wait for the first; a request without a key has nothing to wait for.
@@ -209,6 +218,10 @@ class RegionalRecorder:
         """Where the logs stand now: pass it as `since` to look only at what came after."""
         with self._lock:
             return len(self.arrivals)
+
+    def arrivals_with(self, marker: str) -> list[Arrival]:
+        with self._lock:
+            return [a for a in self.arrivals if marker in a.markers]
 
     def bodies_with(self, marker: str) -> list[dict]:
         with self._lock:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.engine
 REGIONAL_MODEL = "regional-smollm2"
 TOKEN = "regional-secret-token-" + uuid.uuid4().hex
 OUTBOX_BOUND = 100
+SITE = "clinic-7"
 
 
 def edge_toml(injector_port: int, token_file: Path) -> str:
@@ -41,6 +42,11 @@ breaker_reset_s = 5
 breaker_max_reset_s = 10
 forward_poll_s = 0.3
 forward_concurrency = 4
+llm_d_headers = true
+tpot_slo_ms = {{ gold = 60 }}
+
+[site]
+name = "{SITE}"
 
 [policy]
 escalate = "never"
@@ -89,6 +95,7 @@ def site(tmp_path_factory):
         db.parent.mkdir(parents=True)
         for tenant in ("default", "clinic", "lab"):
             s.keys[tenant] = keys.create(db, f"{tenant}-app", tenant=tenant)[1]
+        s.keys["lab-gold"] = keys.create(db, "lab-urgent", tenant="lab", priority_class="gold")[1]
         s.keys["admin"] = keys.create(db, "ops", admin=True)[1]
         s.start_edge()
         s.regional.wait_ready()
@@ -187,6 +194,41 @@ def test_tenant_policy_per_key(site: Site):
     r = chat(site, f"Hi. {m}", tenant="lab")  # the lab tenant escalates always, sync
     assert r.headers["x-appliance-answered-by"] == "regional"
     assert len(site.recorder.bodies_with(m)) == 1
+
+
+def test_escalations_carry_the_llm_d_gateway_headers_of_their_class_and_tenant(site: Site):
+    """Issue 14: what an llm-d gateway schedules by, asserted on what the regional front received."""
+    sent = {"lab": marker(), "lab-gold": marker(), "default": marker()}
+    for who, m in sent.items():
+        r = chat(site, f"Hi. {m}", tenant=who, headers=SYNC)
+        assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.text
+    got = {who: site.recorder.arrivals_with(m)[0].scheduling for who, m in sent.items()}
+    assert got["lab"] == {"x-gateway-inference-objective": "edge-silver",
+                          "x-gateway-inference-fairness-id": f"{SITE}/lab", "x-slo-ttft-ms": "5000"}, got
+    assert got["lab-gold"] == {"x-gateway-inference-objective": "edge-gold",
+                               "x-gateway-inference-fairness-id": f"{SITE}/lab", "x-slo-ttft-ms": "2000",
+                               "x-slo-tpot-ms": "60"}, got
+    assert got["default"]["x-gateway-inference-fairness-id"] == f"{SITE}/default", got
+
+
+def test_a_gateway_drop_is_shown_waited_out_as_asked_and_then_delivered(site: Site):
+    """Issue 14: an llm-d gateway's 503 with its drop reason and Retry-After: the escalation shows the
+    reason, is not sent again before Retry-After, costs no attempt, and is delivered once the cluster takes it."""
+    site.recorder.behaviour = "drop"
+    site.recorder.drop_retry_after = 3
+    m = marker()
+    r = chat(site, f"Later is fine. {m}", headers=ASYNC)
+    esc_id = r.headers["x-appliance-escalation-id"]
+    shown = wait_for(lambda: "saturated" in ((e := escalation(site, esc_id).json()).get("last_error") or "") and e,
+                     30, what="the drop reason on the escalation")
+    assert shown["status"] == "queued" and shown["attempts"] == 0, shown
+    assert "retry after 3s" in shown["last_error"], shown
+    first = site.recorder.arrivals_with(m)[0].at
+    site.recorder.behaviour = "normal"
+    done = wait_done(site, esc_id)
+    arrivals = site.recorder.arrivals_with(m)
+    assert arrivals[1].at - first >= 2.9, [a.at - first for a in arrivals]  # not before Retry-After
+    assert done["attempts"] == 0 and site.recorder.applied[esc_id] == 1, done
 
 
 def test_local_only_data_never_leaves_the_site(site: Site):
