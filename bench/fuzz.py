@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.fuzz.campaign import Limits, run_campaign
+from tests.fuzz.campaign import Limits, daemon_tracebacks, run_campaign
 from tests.fuzz.wire import draw_wire_probes, probe_all
 from tests.support import start_appliance
 
@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
                                      deadline_s=limits.header_timeout_s + limits.body_timeout_s + 20))
         print(f"raw sockets: {len(drawn)} connections in {time.monotonic() - t:.0f}s, {len(wire)} problems")
         problems = report.problems + wire
-        if "Traceback" in app.log_text():
+        if daemon_tracebacks(app.log_text()):
             problems.append("the daemon's log has a traceback")
         for p in problems[:40]:
             print(f"PROBLEM {p[:2000]}")

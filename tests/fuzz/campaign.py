@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 import time
 from collections import Counter
@@ -201,6 +202,13 @@ def check_rows(outcomes: list[Outcome], database: Path, wait_s: float = 10.0) ->
     return problems
 
 
+def daemon_tracebacks(log_text: str) -> list[int]:
+    """Where the daemon's own tracebacks start in its log. The engine's output is in the same file, each
+    line under `appliance.engine.vllm:`; a traceback of vLLM's own is vLLM's business (an engine that
+    died of it shows as a restart), so only a line that begins with one counts."""
+    return [m.start() for m in re.finditer(r"^Traceback \(most recent call last\)", log_text, re.M)]
+
+
 def rss_mib(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
@@ -280,8 +288,9 @@ def run_campaign(app, count: int, run_seed: int, limits: Limits, concurrency: in
     if status["restarts"] != restarts_before or status["state"] != "ready":
         problems.append(f"the engine did not come through: {status}")
     logged = app.log_text()[log_from:]
-    if "Traceback" in logged:
-        at = logged.index("Traceback")
-        problems.append(f"the daemon logged {logged.count('Traceback')} traceback(s); the first:\n"
+    tracebacks = daemon_tracebacks(logged)
+    if tracebacks:
+        at = tracebacks[0]
+        problems.append(f"the daemon logged {len(tracebacks)} traceback(s); the first:\n"
                         f"{logged[max(0, at - 300):at + 1500]}")
     return Report(run_seed, outcomes, problems, rss, time.monotonic() - t0)
