@@ -33,7 +33,7 @@ from appliance.api.http_protocol import BODY_TIMED_OUT
 from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
-from appliance.api.relay import relay
+from appliance.api.relay import prepended, refused_at_start, relay
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink
@@ -44,6 +44,13 @@ from cascade.policy import PRIORITY_CLASSES, Decision
 from cascade.service import Cascade
 
 log = logging.getLogger(__name__)
+
+_ENGINE_BROKE_OFF = json.dumps(error_body("the engine broke off its answer", "server_error", None,
+                                          "engine_error")).encode()
+
+
+async def _keep(_: object) -> None:
+    """A chunk read after the client left needs no closing (the upstream is closed on its own)."""
 
 _NOT_READY = {
     EngineState.STARTING: "the engine is loading the model",
@@ -321,14 +328,29 @@ class Gateway:
             except ClientGone:
                 return self.recorder.client_gone(rec, t0)
             except UPSTREAM_ERRORS:
-                content = json.dumps(error_body("the engine broke off its answer", "server_error", None,
-                                                "engine_error")).encode()
-                return self.recorder.finish(rec, t0, 502, content, headers)
+                return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
             finally:
                 lease.end()  # the engine is done with it, whatever the judging below still does
             if job.judge and upstream.status_code == 200:
                 return await self.routing.judged(job, content, headers)
             return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
+        # The first event before the client's headers: an error there is a refusal, not a 200 stream.
+        chunks = aiter(upstream.aiter_raw())
+        try:
+            first = await race_disconnect(request, anext(chunks, b""), discard=_keep)
+        except ClientGone:
+            lease.end()
+            await upstream.aclose()
+            return self.recorder.client_gone(rec, t0)
+        except UPSTREAM_ERRORS:
+            lease.end()
+            await upstream.aclose()
+            return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
+        refused = refused_at_start(first)
+        if refused is not None:
+            lease.end()
+            await upstream.aclose()
+            return self.recorder.finish(rec, t0, refused[0], refused[1], headers)
         rec.status = 200  # the stream has begun; the relay changes it if the stream breaks or the client leaves
         job.flight.enter("streaming")
 
@@ -344,7 +366,7 @@ class Gateway:
             await upstream.aclose()
 
         return ClosingStream(
-            relay(upstream.aiter_raw(), upstream.aclose, rec, t0, strip_usage=not job.client_wants_usage,
+            relay(prepended(first, chunks) if first else chunks, upstream.aclose, rec, t0, strip_usage=not job.client_wants_usage,
                   flight=job.flight, on_first=first_token,
                   judge=self.routing.stream_judge(job) if job.judge else None),
             on_close=on_close,

@@ -56,8 +56,15 @@ async def read_json(request: Request, limit: int) -> Any:
     if _depth(raw) > MAX_JSON_DEPTH:
         raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # Decoded here, strictly: json.loads(bytes) would decode with "surrogatepass" and let the bytes of
+        # a lone surrogate through as one, past the escape check below (found by the fuzz suite).
+        text = raw.decode("utf-8-sig")  # a leading BOM is tolerated, as json.loads(bytes) did
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not UTF-8 (byte {e.start}: {e.reason}); JSON must be",
+                       code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(raw):  # rare: only then walk the body for the field to name
         where = _not_unicode(body, "")

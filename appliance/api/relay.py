@@ -40,6 +40,30 @@ class StreamJudge:
     acc: signals.StreamAccumulator = field(default_factory=signals.StreamAccumulator)
 
 
+def refused_at_start(first: bytes) -> tuple[int, bytes] | None:
+    """The status and error body when a stream's first event is an error, else None.
+
+    vLLM checks some requests only once it has answered 200 and begun the stream (a completion prompt
+    that tokenizes to nothing: "The decoder prompt cannot be empty"), so the refusal arrives as an SSE
+    error event. Seen before the client's headers go out, it can still be the 4xx it is."""
+    line = first.lstrip().split(b"\n", 1)[0]
+    if not line.startswith(b'data: {"error"'):
+        return None
+    try:
+        err = json.loads(line[6:])["error"]
+        code = err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    status = code if isinstance(code, int) and 400 <= code < 500 else 502
+    return status, json.dumps({"error": err}).encode()
+
+
+async def prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
 async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None]], rec: RequestRecord, t0: float,
                 strip_usage: bool, flight: Flight, on_first: Callable[[], None] = lambda: None,
                 judge: StreamJudge | None = None) -> AsyncIterator[bytes]:

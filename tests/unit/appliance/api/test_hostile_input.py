@@ -165,3 +165,55 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_error(served, caplog):
     made.log.close()
     rows = recent_requests(made.cfg.database_path)
     assert [(row["status"], row["error_code"]) for row in rows] == [(499, "client_disconnected")]
+
+
+def test_a_surrogate_sent_as_raw_bytes_is_a_400_not_a_500(served):
+    """Found by the fuzz suite: a lone surrogate written as its three bytes (WTF-8), not as an escape,
+    went through json.loads(bytes), which decodes with surrogatepass, and broke the token estimate: 500."""
+    post, seen, made = served
+    body = json.dumps(_chat(content=f"hi {BAD}"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    assert b"\xed\xa0\x80" in body
+    r = post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and "not UTF-8" in r.json()["error"]["message"]
+    assert seen == []
+    bom = post("/v1/chat/completions", b"\xef\xbb\xbf" + json.dumps(_chat()).encode())  # tolerated, as before
+    assert bom.status_code == 200, bom.text
+    made.log.close()
+    rows = recent_requests(made.cfg.database_path)
+    assert sorted((row["status"], row["error_code"]) for row in rows) == [(200, None), (400, "invalid_json")]
+
+
+def test_a_stream_the_engine_refuses_in_its_first_event_is_a_400(tmp_path):
+    """Found by the fuzz suite: vLLM checks some requests only after its 200 (a completion prompt that
+    tokenizes to nothing), so the client got 200 and an error event. The gateway reads the first event
+    before its own headers go out: an error there is answered with its status and an OpenAI body."""
+    from tests.unit.appliance.api.inprocess import serving
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        refusal = b'data: {"error": {"message": "The decoder prompt cannot be empty", "type": "BadRequestError", ' \
+                  b'"param": null, "code": 400}}\n\ndata: [DONE]\n\n'
+        ok = b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n'
+        empty = json.loads(request.content)["prompt"] == "\u0006"
+
+        async def events():  # streamed, as the engine's answer is
+            yield refusal if empty else ok
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    made = serving(tmp_path, engine)
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+            bad = await c.post("/v1/completions", json={"model": "m", "prompt": "\u0006", "stream": True})
+            good = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+            return bad, good
+
+    bad, good = asyncio.run(go())
+    made.log.close()
+    assert bad.status_code == 400 and bad.headers["content-type"] == "application/json", bad.text
+    err = bad.json()["error"]
+    assert err["code"] == "engine_rejected" and "decoder prompt cannot be empty" in err["message"], err
+    assert good.status_code == 200 and good.text.endswith("data: [DONE]\n\n") and '"text":"a"' in good.text
+    rows = recent_requests(made.cfg.database_path)
+    assert sorted((row["status"], row["error_code"]) for row in rows) == [(200, None), (400, "engine_rejected")]
