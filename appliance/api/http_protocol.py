@@ -119,6 +119,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A request on this connection is still being served (the refusal is for what came after
+            # it, or for its own body): it ends with the connection, as for a client that left, so its
+            # answer is not written after the refusal's FIN.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:  # mid-answer: a refusal now would be garbage inside that answer
+                self.transport.close()
+                return
         self.transport.write(refusal(status, message, code, retry_after_s))
         if not linger or not self.transport.can_write_eof():
             self.transport.close()
@@ -139,6 +149,4 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # The application is waiting for the rest of the body: it sees the client leave, and the scope
         # says why, so the request log can say 408 rather than "client disconnected".
         self.scope["state"][BODY_TIMED_OUT] = True
-        cycle.disconnected = True
-        cycle.message_event.set()
         self._refuse(408, f"the request body did not arrive within {self.body_timeout_s:g}s", "body_timeout")

@@ -117,6 +117,30 @@ def _error_body_problem(out: Outcome) -> str | None:
     return None
 
 
+def _engine_fault(event: str) -> bool:
+    """An error event for vLLM's own failure mid-stream (its handler raised: type InternalServerError),
+    after the appliance had checked the request and the engine had accepted it. The appliance relays it
+    as the OpenAI error event it is; the campaign counts these apart (Report.engine_faults), since they
+    are the engine's defects, not the appliance's. (One seen: vLLM 0.32, a streamed completion with echo
+    and logprobs on a token-id prompt, KeyError in _create_completion_logprobs.)"""
+    try:
+        err = json.loads(event)["error"]
+        return err.get("type") == "InternalServerError" and bool(err.get("message"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def engine_faults(outcomes: list[Outcome]) -> list[str]:
+    found = []
+    for out in outcomes:
+        if out.status == 200 and "text/event-stream" in out.headers.get("content-type", ""):
+            text = out.body.decode("utf-8", "replace")
+            for line in text.splitlines():
+                if line.startswith('data: {"error"') and _engine_fault(line[6:]):
+                    found.append(f"{line[6:300]} <- [{out.probe.note}] {out.probe.reproduce()}")
+    return found
+
+
 def _answer_problem(out: Outcome) -> str | None:
     """A 200 that is not a whole answer."""
     if out.probe.method == "HEAD":
@@ -126,7 +150,8 @@ def _answer_problem(out: Outcome) -> str | None:
         events = [line[6:] for line in out.body.decode("utf-8", "replace").splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {out.body[-200:]!r}"
-        if any('"error"' in e and e.startswith('{"error"') for e in events):
+        errors = [e for e in events if e.startswith('{"error"')]
+        if errors and not all(_engine_fault(e) for e in errors):
             return f"stream carried an error event: {out.body[-300:]!r}"
         return None
     if out.probe.generation:
@@ -233,11 +258,14 @@ class Report:
                 except (ValueError, KeyError, TypeError, AttributeError):
                     codes[f"{out.status} ?"] += 1
         rss = ", ".join(f"{n}: {m:.1f}" for n, m in self.rss)
+        faults = engine_faults(self.outcomes)
+        shown = "".join(f"\n  {f[:600]}" for f in faults[:5])
         return (f"seed {self.seed}: {len(self.outcomes)} requests in {self.seconds:.0f}s, "
                 f"{len(self.problems)} problems\n"
                 f"statuses: {dict(sorted(self.statuses().items(), key=str))}\n"
                 f"error codes: {dict(codes.most_common())}\n"
-                f"daemon RSS MiB by requests sent: {rss}")
+                f"daemon RSS MiB by requests sent: {rss}\n"
+                f"engine faults relayed mid-stream (vLLM's own, not counted as problems): {len(faults)}{shown}")
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,34 @@ def test_a_client_still_sending_when_refused_reads_the_refusal_not_a_reset():
     _openai_error(body, "bad_http_request")
 
 
+def test_garbage_after_a_request_being_served_ends_it_cleanly():
+    """Found by the fuzz suite: a request followed on its connection by bytes that are not HTTP. The refusal
+    (400, FIN) went out while the first request was still being served, whose answer then met a half-closed
+    transport: RuntimeError in the app, a traceback per connection. That request is now over with the
+    connection (its answer dropped, as for a client that left), and the client reads the 400."""
+    import asyncio
+
+    failures: list[BaseException] = []
+
+    async def slow(scope, receive, send) -> None:
+        await asgi_body(receive)
+        await asyncio.sleep(0.3)  # the garbage behind the request is refused meanwhile
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+        except BaseException as e:
+            failures.append(e)
+            raise
+
+    with server(slow) as port, socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhiGARBAGE / HTTP/1.1\r\n\r\n")
+        status, headers, body = _answer(s)
+        time.sleep(0.5)
+    assert status == 400 and headers["content-type"] == "application/json"
+    _openai_error(body, "bad_http_request")
+    assert failures == []
+
+
 def test_the_gateway_records_a_body_timeout_as_408_in_the_request_log(tmp_path):
     made = serving(tmp_path, lambda req: httpx.Response(500))
     with server(made.app) as port, socket.create_connection(("127.0.0.1", port)) as s:
