@@ -87,11 +87,9 @@ class Forwarder:
             return False
         except RegionalFailed as e:
             wait = min(self.retry_max_s, self.retry_base_s * 2 ** esc.attempts)
-            # A cluster that said when to come back is not failing this escalation: it is not an attempt
-            # towards giving up, and it waits at least as long as asked.
-            told = e.retry_after_s is not None
+            # At least as long as the cluster asked, when it said.
             status = await asyncio.to_thread(self.outbox.release, esc.id, str(e), max(wait, e.retry_after_s or 0.0),
-                                             not told, self.max_attempts)
+                                             e.counts_as_attempt, self.max_attempts)
             self.on_result("gave_up" if status == "failed" else "retry")
             return False
         await asyncio.to_thread(self.outbox.done, esc.id, answer.body)

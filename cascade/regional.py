@@ -53,6 +53,11 @@ class RegionalFailed(RegionalError):
         super().__init__(message)
         self.retry_after_s = retry_after_s  # the cluster said when to come back
 
+    @property
+    def counts_as_attempt(self) -> bool:
+        """A cluster that said when to come back is not failing this escalation: no attempt towards giving up."""
+        return self.retry_after_s is None
+
 
 class TokenFileError(ValueError):
     pass
@@ -200,7 +205,7 @@ class RegionalClient:
         self._link(True)
         if refused is not None:
             raise RegionalFailed(refused.describe())
-        if r.status_code in (408, 429) or r.status_code >= 500:
+        if r.status_code == 408 or r.status_code >= 500:  # 429 and 503 are refusals, above
             raise RegionalFailed(f"the regional cluster answered {r.status_code}: {r.text[:200]}")
         try:
             body = r.json()

@@ -100,9 +100,10 @@ class Cascade:
             self.counts["failed"] += 1
             return EscalationResult("rejected", esc, error=str(e))
         except (LinkDown, RegionalFailed) as e:
-            told = e.retry_after_s if isinstance(e, RegionalFailed) else None  # the cluster said when: not an attempt
-            await asyncio.to_thread(self.outbox.release, esc.id, str(e), told or 0.0,
-                                    isinstance(e, RegionalFailed) and told is None)
+            failed = e if isinstance(e, RegionalFailed) else None
+            wait = (failed.retry_after_s or 0.0) if failed is not None else 0.0
+            await asyncio.to_thread(self.outbox.release, esc.id, str(e), wait,
+                                    failed is not None and failed.counts_as_attempt)
             self._queued(esc)
             return EscalationResult("queued", esc, error=str(e))
         except RegionalError as e:  # pragma: no cover - the three kinds above are all there are

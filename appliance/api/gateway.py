@@ -335,22 +335,22 @@ class Gateway:
                 return await self.routing.judged(job, content, headers)
             return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
         # The first event before the client's headers: an error there is a refusal, not a 200 stream.
-        chunks = aiter(upstream.aiter_raw())
+        chunks = upstream.aiter_raw()
+        ended: Response | None = None
         try:
             first = await race_disconnect(request, anext(chunks, b""), discard=_keep)
         except ClientGone:
-            lease.end()
-            await upstream.aclose()
-            return self.recorder.client_gone(rec, t0)
+            ended = self.recorder.client_gone(rec, t0)
         except UPSTREAM_ERRORS:
+            ended = self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
+        else:
+            refused = refused_at_start(first)
+            if refused is not None:
+                ended = self.recorder.finish(rec, t0, refused[0], refused[1], headers)
+        if ended is not None:
             lease.end()
             await upstream.aclose()
-            return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
-        refused = refused_at_start(first)
-        if refused is not None:
-            lease.end()
-            await upstream.aclose()
-            return self.recorder.finish(rec, t0, refused[0], refused[1], headers)
+            return ended
         rec.status = 200  # the stream has begun; the relay changes it if the stream breaks or the client leaves
         job.flight.enter("streaming")
 

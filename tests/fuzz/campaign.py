@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from tests import loopback
 from tests.fuzz.requests import Probe, probes
 
-RUN_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def draw_probes(count: int, run_seed: int, served: str, max_tokens: int, max_choices: int,
@@ -68,8 +68,8 @@ async def _send(client: httpx.AsyncClient, probe: Probe, sent_id: str, timeout: 
     out = Outcome(probe, sent_id)
     # A header value that is not ASCII goes as UTF-8 bytes, as a hostile client would send it.
     headers = [(k.encode(), v.encode("utf-8", "surrogatepass")) for k, v in probe.headers]
-    if not any(k == b"x-request-id" for k, _ in headers):
-        headers.append((b"x-request-id", sent_id.encode()))
+    if not any(k.lower() == REQUEST_ID_HEADER.encode() for k, _ in headers):
+        headers.append((REQUEST_ID_HEADER.encode(), sent_id.encode()))
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout):
@@ -199,7 +199,7 @@ def check_rows(outcomes: list[Outcome], database: Path, wait_s: float = 10.0) ->
     for out in outcomes:
         if not _reached_the_gateway(out):
             continue
-        rid = out.headers.get("x-request-id")
+        rid = out.headers.get(REQUEST_ID_HEADER)
         if not rid:
             problems.append(f"{out.status} without X-Request-Id: [{out.probe.note}] {out.probe.reproduce()}")
             continue

@@ -10,7 +10,7 @@ Some stay well-formed, so the engine, admission and the request log are exercise
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
@@ -124,7 +124,6 @@ class Probe:
     body: bytes
     well_formed: bool  # an ordinary request: it must be answered 200 (or a 429/503 refusal), never a 4xx
     note: str = ""  # what was done to it, for the report
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def generation(self) -> bool:

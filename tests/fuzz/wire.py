@@ -32,8 +32,7 @@ BODY = b'{"model":"smollm2-135m-instruct","prompt":"hi","max_tokens":2}'
 class WireProbe:
     pieces: tuple[bytes, ...]
     pause_s: float  # between pieces
-    finished: bool  # False: the client stops partway and waits (a stalled upload or header)
-    note: str
+    note: str  # how it was built, a cut-off body or header included (the client then waits, stalled)
     method: str  # what h11 is told was sent, so it reads the answer right (HEAD has no body)
 
     def reproduce(self) -> str:
@@ -77,23 +76,23 @@ def _headers(draw: st.DrawFn, body: bytes) -> tuple[list[bytes], str]:
     return lines, how
 
 
-def _body(draw: st.DrawFn, framing: str) -> tuple[bytes, bool]:
-    """The body bytes as the framing would carry them; False when the body is cut short on purpose."""
+def _body(draw: st.DrawFn, framing: str) -> tuple[bytes, str]:
+    """The body bytes as the framing would carry them, and what was done to them."""
     if framing in ("chunked", "both"):
         shape = draw(st.sampled_from(["good", "bad_size", "no_end", "no_crlf"]))
         if shape == "good":
-            return b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), True
+            return b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), "chunks"
         if shape == "bad_size":
-            return b"zz\r\n" + BODY + b"\r\n0\r\n\r\n", True
+            return b"zz\r\n" + BODY + b"\r\n0\r\n\r\n", "bad chunk size"
         if shape == "no_crlf":
-            return b"%x\r\n%s0\r\n\r\n" % (len(BODY), BODY), True
-        return b"%x\r\n%s\r\n" % (len(BODY), BODY), False  # the last chunk never comes
+            return b"%x\r\n%s0\r\n\r\n" % (len(BODY), BODY), "chunk without CRLF"
+        return b"%x\r\n%s\r\n" % (len(BODY), BODY), "last chunk never sent"
     cut = draw(st.sampled_from(["whole", "whole", "short", "extra"]))
     if cut == "short":
-        return BODY[: draw(st.integers(0, len(BODY) - 1))], False
+        return BODY[: draw(st.integers(0, len(BODY) - 1))], "body cut short"
     if cut == "extra":
-        return BODY + b"GARBAGE / HTTP/1.1\r\n\r\n", True
-    return BODY, True
+        return BODY + b"GARBAGE / HTTP/1.1\r\n\r\n", "garbage after the body"
+    return BODY, "body"
 
 
 @st.composite
@@ -101,19 +100,18 @@ def wire_probes(draw: st.DrawFn) -> WireProbe:
     method = draw(st.sampled_from(METHODS))
     line = f"{method} {draw(st.sampled_from(TARGETS))} {draw(st.sampled_from(VERSIONS))}".encode("latin-1")
     headers, framing = _headers(draw, BODY)
-    body, complete = _body(draw, framing)
+    body, shape = _body(draw, framing)
     eol = draw(st.sampled_from([b"\r\n", b"\r\n", b"\n"]))
     raw = line + eol + eol.join(headers) + eol + eol + body
-    finished = complete
     stop = draw(st.sampled_from(["all", "all", "all", "headers_cut"]))
     if stop == "headers_cut":  # the headers never end: the header deadline's case
-        raw, finished = raw[: draw(st.integers(0, len(line) + 20))], False
+        raw = raw[: draw(st.integers(0, len(line) + 20))]
     n = draw(st.integers(1, 4))
     cuts = sorted(draw(st.lists(st.integers(0, len(raw)), min_size=n - 1, max_size=n - 1)))
     pieces = tuple(raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True))
     pause = draw(st.sampled_from([0.0, 0.0, 0.2, 0.6]))
     h11_method = method if method in ("GET", "POST", "PUT", "OPTIONS") else "GET"
-    return WireProbe(pieces, pause, finished, f"{framing}, {stop}, {n} piece(s), {pause}s apart", h11_method)
+    return WireProbe(pieces, pause, f"{framing}, {shape}, {stop}, {n} piece(s), {pause}s apart", h11_method)
 
 
 def draw_wire_probes(count: int, run_seed: int) -> list[WireProbe]:
