@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import loopback
+from tests import loopback, pd_cluster
 from tests.support import RUNNING, RunningAppliance, other_threads, sockets, start_appliance, state_dump
 
 pytest_plugins = ["pytester"]  # tests/unit/project/test_ci_runs_everything.py runs pytest on small test files
@@ -60,6 +60,8 @@ def pytest_runtest_makereport(item, call):
             # after the tails, which the dump would otherwise fill
             report.sections.append((f"appliance {app.url}: its sockets", sockets(app)))
             report.sections.append((f"appliance {app.url}: state dump", _state_dump(app)))
+        for server in pd_cluster.SERVERS:
+            report.sections.append((f"regional vLLM {server.role}: {server.log_path}", server.log_tail(ENGINE_LINES)))
 
 
 def _state_dump(app: RunningAppliance) -> str:

@@ -1,5 +1,6 @@
-"""The cascade end to end: a real local engine, a real regional server (a second appliance with its own
-vLLM) behind a recording front and a TCP fault injector, and what the regional side actually received.
+"""The cascade end to end: a real local engine, and a disaggregated regional cluster (real prefill and decode
+vLLM servers sharing their KV through vLLM's ExampleConnector, tests/pd_cluster.py) behind a recording
+gateway front and a TCP fault injector, and what the regional side actually received.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from appliance import keys
 from tests import loopback
+from tests.pd_cluster import PDCluster
 from tests.regional import FaultInjector, RegionalRecorder, marker
 from tests.support import RunningAppliance, start_appliance, wait_for
 
@@ -65,7 +67,7 @@ mode = "sync"
 class Site:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.regional = start_appliance(root / "regional", served_name=REGIONAL_MODEL)
+        self.regional = PDCluster(root / "regional", served_name=REGIONAL_MODEL)
         self.recorder: RegionalRecorder | None = None
         self.injector: FaultInjector | None = None
         self.edge: RunningAppliance | None = None
@@ -130,6 +132,14 @@ def escalation(site: Site, esc_id: str, key: str = "admin") -> httpx.Response:
 def wait_done(site: Site, esc_id: str, timeout: float = 60) -> dict:
     return wait_for(lambda: (e := escalation(site, esc_id).json()).get("status") == "done" and e, timeout,
                     what=f"escalation {esc_id} to be delivered")
+
+
+def wait_link_closed(site: Site) -> None:
+    """After a test that cut the link: until the forwarder's probe closes the breaker again, the edge
+    rightly does not try the link, and sync escalations are queued rather than answered."""
+    wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status",
+                                  headers={"Authorization": f"Bearer {site.keys['admin']}"}
+                                  ).json()["cascade"]["link"]["breaker"] == "closed", 60, what="the breaker to close")
 
 
 SYNC = {"X-Appliance-Escalate": "always", "X-Appliance-Escalation-Mode": "sync"}
@@ -390,15 +400,66 @@ def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):
     assert int(r.headers["retry-after"]) >= 1
 
 
+# -- the disaggregated regional cluster: prefill on one server, decode from the transferred KV on the other --
+
+# About 600 tokens with the chat template: four whole 128-token blocks to transfer, whatever the marker.
+LONG_CONTEXT = " ".join(f"Record {i}: the pump in bay {i % 7} was checked and found in order." for i in range(40))
+
+
+def test_the_decode_side_answers_from_the_kv_the_prefill_side_transferred(site: Site):
+    """The P/D flow is real: decode loads the prompt's KV that prefill stored, it does not recompute it.
+    The control (the sidecar skipping prefill) shows the same check failing on a recomputation."""
+    sidecar, decode = site.regional.sidecar, site.regional.decode
+    wait_link_closed(site)
+
+    def escalate(m: str) -> tuple[httpx.Response, list[int], float]:
+        injected, external = decode.injected(), decode.metric("vllm:prompt_tokens_by_source_total",
+                                                             source="external_kv_transfer")
+        # the marker first: nothing of this prompt is in either server's prefix cache
+        r = chat(site, f"{m} {LONG_CONTEXT} Which bay was checked last?", headers=SYNC, max_tokens=4)
+        assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.text
+        return (r, decode.injected()[len(injected):],
+                decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - external)
+
+    sidecar.skip_prefill = True
+    try:
+        _, injected, external = escalate(marker())
+    finally:
+        sidecar.skip_prefill = False
+    assert injected == [] and external == 0, (injected, external)  # computed on the decode side
+
+    m = marker()
+    r, injected, external = escalate(m)
+    prefills = [h for h in sidecar.sent("prefill") if m in json.dumps(h.body)]
+    decodes = [h for h in sidecar.sent("decode") if m in json.dumps(h.body)]
+    assert len(prefills) == 1 and len(decodes) == 1, (prefills, decodes)
+    assert prefills[0].body["max_tokens"] == 1 and prefills[0].body["stream"] is False
+    assert prefills[0].body["kv_transfer_params"]["do_remote_decode"] is True
+    assert decodes[0].body["max_tokens"] == 4 and prefills[0].at <= decodes[0].at
+    assert len(injected) == 1 and injected[0] >= 512 and injected[0] % 128 == 0, injected
+    assert external == injected[0], (external, injected)  # vLLM's own count of tokens it did not compute
+    assert r.json()["usage"]["prompt_tokens"] > injected[0]
+
+
+def test_the_cluster_streams_the_decode_answer(site: Site):
+    """The sidecar relays decode's stream as it comes (the appliance itself asks the cluster non-streamed)."""
+    m = marker()
+    with loopback.stream("POST", f"{site.regional.url}/v1/chat/completions", timeout=60,
+                         json={"model": REGIONAL_MODEL, "messages": [{"role": "user", "content": f"Hi {m}"}],
+                               "max_tokens": 5, "stream": True, "temperature": 0}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3, events
+    prefill = [h for h in site.regional.sidecar.sent("prefill") if m in json.dumps(h.body)]
+    assert len(prefill) == 1 and prefill[0].body["stream"] is False and "stream_options" not in prefill[0].body
+
+
 # -- self-healing: the regional cluster answers while the local engine restarts --------------------------
 
 
 def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
     wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 200, 300, what="a ready edge")
-    # An earlier test cut the link: until the forwarder's probe closes the breaker again, the edge rightly
-    # does not try the link, and this test is about a working link with a dead engine.
-    wait_for(lambda: loopback.get(f"{site.url()}/v1/appliance/status", headers={"Authorization": f"Bearer {site.keys['admin']}"}
-                                  ).json()["cascade"]["link"]["breaker"] == "closed", 60, what="the breaker to close")
+    wait_link_closed(site)  # this test is about a working link with a dead engine
     for p in site.edge.engine_processes():
         p.kill()  # the engine dies; the supervisor restarts it (tens of seconds on the CPU engine)
     wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 503, 30, what="the edge to notice")
