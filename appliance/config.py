@@ -172,7 +172,7 @@ class TargetsSection(_Section):
         default=None, description="A local EAGLE-3 draft folder (config.json + safetensors); enables EAGLE.")
 
 
-def _default_objectives() -> dict[PriorityClass, str]:
+def default_objectives() -> dict[PriorityClass, str]:
     return {"gold": "edge-gold", "silver": "edge-silver", "bronze": "edge-bronze"}
 
 
@@ -208,7 +208,7 @@ class RegionalSection(_Section):
                     "objective, a fairness id, the class's TTFT target and tpot_slo_ms. Off for a plain OpenAI "
                     "endpoint.")
     objectives: dict[PriorityClass, str] = Field(
-        default_factory=lambda: _default_objectives(),
+        default_factory=lambda: default_objectives(),
         description="InferenceObjective per priority class (x-gateway-inference-objective); the regional "
                     "cluster defines them (packaging/regional/).")
     fairness_id: str = Field(default="{site}/{tenant}", max_length=256,

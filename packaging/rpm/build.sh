@@ -18,6 +18,7 @@ mkdir -p "$top"/{SOURCES,SPECS,BUILD,RPMS,SRPMS,BUILDROOT}
 cp "$repo"/systemd/appliance.service "$repo"/systemd/appliance.sysusers.conf "$repo"/systemd/appliance.tmpfiles.conf \
    "$repo"/systemd/90-appliance.preset "$repo"/appliance/packaged.toml "$repo"/README.md \
    "$repo"/docs/configuration.md "$repo"/docs/cli.md "$top/SOURCES/"
+tar -C "$repo/packaging" --owner=0 --group=0 -czf "$top/SOURCES/regional.tar.gz" regional
 cp "$here/edge-appliance.spec" "$top/SPECS/"
 rpmbuild -bb --quiet --define "_topdir $top" --define "appliance_version $version" \
     "$top/SPECS/edge-appliance.spec"
