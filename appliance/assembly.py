@@ -30,6 +30,7 @@ from appliance.site_state import SiteState
 from appliance.status_view import doctor_report, status
 from appliance.store import RequestLog
 from appliance.systemd import Notifier
+from appliance.traffic import TrafficWatch
 from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
 
@@ -64,11 +65,14 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
     if admission is not None:
         gate = admission
         watch.add_listener(lambda s: gate.observe_kv_usage(s.kv_usage))
+    # The site's traffic sampled beside each engine sample, for the doctor's grow advisor.
+    traffic = TrafficWatch(lambda ts: metrics.traffic(ts, cascade.counts if cascade is not None else {}))
+    watch.add_listener(lambda s: traffic.record(s.ts))
     required = keys_required(cfg.auth.require_keys, cfg.server.host)
     verifier = KeyVerifier(cfg.database_path)
     app = create_app(gateway, plan=lambda: plan_dict(state.site_plan.plan), verifier=verifier,
                      keys_required=required, status=lambda: status(state, supervisor, cascade),
-                     doctor=lambda: doctor_report(state, supervisor, watch))
+                     doctor=lambda: doctor_report(state, supervisor, watch, traffic))
     return Daemon(state=state, request_log=request_log, metrics=metrics, supervisor=supervisor, admission=admission,
                   cascade=cascade, gateway=gateway, engine_watch=watch,
                   remedies=Remedies(state, supervisor, watch, gateway, admission, metrics), verifier=verifier,

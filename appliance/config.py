@@ -353,6 +353,9 @@ class DoctorSection(_Section):
     relaunch_drain_s: Annotated[float, Field(ge=0)] = Field(
         default=120.0, description="Before relaunching the engine, how long to let the requests it is answering "
                                    "finish (new ones get 503 meanwhile); those still running then are cut off.")
+    grow_escalation_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.3, description="The doctor's grow advisor says the box has outgrown itself when at least this "
+                                 "share of its answered requests was escalated over the last half hour.")
 
 
 class Config(_Section):

@@ -3,7 +3,7 @@
 Two halves. The setup checks look at the machine (driver and GPU, engine build, model files and pin,
 kernel pins, state directory, the regional link) and run from the command line with or without a
 daemon. The recipes are pure functions over the engine samples the daemon keeps (engine_watch) and
-apply the troubleshooting recipes (docs/background.md), plus "outgrown the box" from its growth ladder.
+apply the troubleshooting recipes (docs/background.md), plus its growth ladder's "where to grow".
 Every finding says what to do next.
 """
 
@@ -24,6 +24,7 @@ from appliance.config import Config
 from appliance.engine_watch import EngineSample, Window
 from appliance.model_pin import ModelCheck
 from appliance.startup import model_problems, state_problems
+from appliance.traffic import TrafficSample, TrafficWindow
 from kernels import lock as kernel_lock
 from kernels.lock import KernelCheck
 from kvbudget.gpu import Discovery
@@ -40,6 +41,11 @@ PREFIX_MIN_QUERIES = 2000  # tokens looked up; below this the hit rate is noise
 PREFIX_LOW = 0.1
 OUTGROWN_SHARE = 0.9
 OUTGROWN_SECONDS = 600.0
+GROW_KV_SHARE = 0.5  # KV at or above KV_HIGH in half the window's samples: sustained, not a burst
+GROW_GOLD_REFUSED = 0.01  # of gold requests: gold is the class admission exists to serve
+GROW_MIN_REQUESTS = 50  # answered in the window before an escalation share says anything
+# Where the regional tier's deployment lives: in the source tree, and installed with the documentation.
+REGIONAL_ARTIFACTS = "packaging/regional/ (installed as /usr/share/doc/edge-appliance/regional/)"
 LIVE_WINDOW_S = 1800.0  # the recipes judge the last half hour of engine samples
 
 
@@ -288,18 +294,53 @@ def prefix_cache(samples: Sequence[EngineSample], workload: str) -> Finding:
     return Finding("prefix-cache", "ok", f"prefix-cache hit rate {whole.prefix_hit_rate:.0%}")
 
 
-def outgrown(samples: Sequence[EngineSample], capacity: int) -> Finding:
-    """Section 9: concurrency pinned near the plan's capacity for a sustained period."""
-    whole = Window.between(list(samples))
-    if whole is None or whole.seconds < OUTGROWN_SECONDS:
-        return Finding("capacity", "skip", f"less than {OUTGROWN_SECONDS / 60:.0f} minutes of engine samples")
-    busy = whole.mean_running + sum(s.waiting for s in samples) / len(samples)
-    if busy >= OUTGROWN_SHARE * capacity:
-        return Finding("capacity", "warn", f"the site has outgrown this box: {busy:.1f} requests in the engine on "
-                                           f"average over {whole.seconds / 60:.0f} minutes against a capacity of {capacity}",
-                       "add a second replica (another box behind a load balancer) or let the regional tier take "
-                       "more traffic (policy.escalate); a bigger card is the other way")
-    return Finding("capacity", "ok", f"{busy:.1f} of {capacity} sessions busy on average")
+def grow(samples: Sequence[EngineSample], traffic: Sequence[TrafficSample], *, capacity: int,
+         escalation_share_max: float, regional_enabled: bool) -> Finding:
+    """Section 9, where to grow: the box has outgrown itself when it stays busy near its capacity, its KV
+    cache stays full, admission refuses gold work, or too much of its work goes to the regional tier.
+    The advice names the next rung: the regional prefill/decode cluster (packaging/regional/)."""
+    engine = Window.between(list(samples))
+    site = TrafficWindow.between(list(traffic))
+    judged = [w.seconds for w in (engine, site) if w is not None and w.seconds >= OUTGROWN_SECONDS]
+    if not judged:
+        return Finding("grow", "skip", f"less than {OUTGROWN_SECONDS / 60:.0f} minutes of samples")
+    signs, figures = [], []
+    if engine is not None and engine.seconds >= OUTGROWN_SECONDS:
+        busy = engine.mean_running + sum(s.waiting for s in samples) / len(samples)
+        full = sum(1 for s in samples if s.kv_usage >= KV_HIGH) / len(samples)
+        figures += [f"{busy:.1f} of {capacity} sessions busy on average", f"KV usage at or above {KV_HIGH:.0%} "
+                    f"in {full:.0%} of the samples"]
+        if busy >= OUTGROWN_SHARE * capacity:
+            signs.append(f"{busy:.1f} requests in the engine on average against a capacity of {capacity}")
+        if full >= GROW_KV_SHARE:
+            preempted = f", {engine.preemptions:.0f} preemptions" if engine.preemptions else ""
+            signs.append(f"KV cache at or above {KV_HIGH:.0%} for {full:.0%} of the time{preempted}")
+    if site is not None and site.seconds >= OUTGROWN_SECONDS:
+        refused, escalated = site.gold_refused_share, site.escalation_share
+        if refused is not None:
+            figures.append(f"{site.gold_refused:.0f} of {site.gold_requests:.0f} gold requests refused")
+            if site.gold_refused >= 1 and refused >= GROW_GOLD_REFUSED:
+                signs.append(f"{site.gold_refused:.0f} of {site.gold_requests:.0f} gold requests refused "
+                             f"({refused:.1%})")
+        if escalated is not None:
+            figures.append(f"{escalated:.0%} of {site.answered:.0f} answered requests escalated")
+            if site.answered >= GROW_MIN_REQUESTS and escalated >= escalation_share_max:
+                signs.append(f"{escalated:.0%} of {site.answered:.0f} answered requests escalated (above "
+                             f"doctor.grow_escalation_share = {escalation_share_max:.0%})")
+    minutes = max(judged) / 60
+    if not signs:
+        return Finding("grow", "ok", f"this box is not outgrown over the last {minutes:.0f} minutes: "
+                                     + "; ".join(figures))
+    if regional_enabled:
+        advice = (f"grow the regional cluster this site escalates to ({REGIONAL_ARTIFACTS}: more decode "
+                  "replicas in modelservers.yaml), or put a second box beside this one behind a load balancer; "
+                  "a bigger card is the other way")
+    else:
+        advice = (f"the next step is the regional tier: deploy the prefill/decode cluster in {REGIONAL_ARTIFACTS} "
+                  "(its README says what it needs) and turn escalation on with the [regional] section of its "
+                  "appliance-regional.toml; locally, a second box behind a load balancer or a bigger card")
+    return Finding("grow", "warn", f"this box has outgrown itself over the last {minutes:.0f} minutes: "
+                                   + "; ".join(signs), advice)
 
 
 def engine_state(state: str, reason: str, restarts: int) -> Finding:
@@ -313,7 +354,9 @@ def engine_state(state: str, reason: str, restarts: int) -> Finding:
     return Finding("engine-state", "warn", f"{state}: {reason}")
 
 
-def recipes(samples: Sequence[EngineSample], *, capacity: int, spec_method: str, workload: str) -> list[Finding]:
+def recipes(samples: Sequence[EngineSample], traffic: Sequence[TrafficSample], *, capacity: int, spec_method: str,
+            workload: str, escalation_share_max: float, regional_enabled: bool) -> list[Finding]:
     return [kv_pressure(samples), spec_acceptance(samples, spec_method), prefix_cache(samples, workload),
-            outgrown(samples, capacity)]
+            grow(samples, traffic, capacity=capacity, escalation_share_max=escalation_share_max,
+                 regional_enabled=regional_enabled)]
 

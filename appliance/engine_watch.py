@@ -148,12 +148,16 @@ class EngineWatch:
             self.on_error()
             return None
         self.latest_text = r.text
+        self.accept(sample)
+        return sample
+
+    def accept(self, sample: EngineSample) -> None:
+        """Keep a sample and hand it to the listeners."""
         if self.samples and sample.generation_tokens < self.samples[-1].generation_tokens:
             self.clear()  # a new engine: its counters restarted from zero, and a window across them means nothing
         self.samples.append(sample)
         for fn in self._listeners:
             fn(sample)
-        return sample
 
     async def run(self, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         while True:

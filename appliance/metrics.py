@@ -6,8 +6,9 @@ per scrape: a scrape must answer at once whatever the engine is doing, and the e
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +19,7 @@ from appliance.admission import Load
 from appliance.engine.supervisor import EngineState, EngineStatus
 from appliance.engine_watch import lines_for
 from appliance.store import RequestRecord
+from appliance.traffic import ESCALATION_OUTCOMES, TrafficSample
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +125,16 @@ class Metrics:
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0
+        # The same counts, plain, where the doctor reads them (prometheus_client's values are not API).
+        self.totals: collections.Counter[str] = collections.Counter()
 
     def observe_request(self, rec: RequestRecord, priority_class: str | None) -> None:
         cls = priority_class or "none"
         self.requests.labels(rec.route, str(rec.status), cls).inc()
+        if rec.status == 200:
+            self.totals["answered"] += 1
+        if cls == "gold":
+            self.totals["gold_requests"] += 1
         if rec.total_ms is not None:
             self.duration.labels(rec.route, cls).observe(rec.total_ms / 1000)
         if rec.stream and rec.ttft_ms is not None and rec.status == 200:
@@ -146,6 +154,15 @@ class Metrics:
 
     def observe_decision(self, cls: str, decision: str, code: str) -> None:
         self.admission.labels(cls, decision, code).inc()
+        if cls == "gold" and decision == "reject":
+            self.totals["gold_refused"] += 1
+
+    def traffic(self, ts: float, cascade_counts: Mapping[str, int]) -> TrafficSample:
+        """The totals the doctor's grow advisor windows (appliance.traffic), with the cascade's counts."""
+        t = self.totals
+        return TrafficSample(ts, answered=t["answered"], gold_requests=t["gold_requests"],
+                             gold_refused=t["gold_refused"],
+                             escalations=sum(cascade_counts.get(k, 0) for k in ESCALATION_OUTCOMES))
 
     def observe_admission(self, load: Load) -> None:
         for cls, n in load.queued.items():

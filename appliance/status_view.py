@@ -9,6 +9,7 @@ from appliance import __version__, doctor
 from appliance.engine.supervisor import EngineSupervisor
 from appliance.engine_watch import EngineWatch
 from appliance.site_state import SiteState
+from appliance.traffic import TrafficWatch
 from cascade.service import Cascade
 
 
@@ -40,14 +41,19 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
     }
 
 
-async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch) -> dict[str, Any]:
+async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
+                        traffic: TrafficWatch | None = None) -> dict[str, Any]:
     """The setup checks (the model hashed at start, not again) and the recipes over the last half hour
-    of engine samples."""
+    of engine and traffic samples."""
     setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
                                     state.kernel_check)
     st = supervisor.status
     p = state.site_plan.plan
     live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
-            *doctor.recipes(watch.since(doctor.LIVE_WINDOW_S), capacity=p.max_num_seqs,
-                            spec_method=p.speculative.method, workload=state.cfg.targets.workload)]
+            *doctor.recipes(watch.since(doctor.LIVE_WINDOW_S),
+                            traffic.since(doctor.LIVE_WINDOW_S) if traffic is not None else [],
+                            capacity=p.max_num_seqs, spec_method=p.speculative.method,
+                            workload=state.cfg.targets.workload,
+                            escalation_share_max=state.cfg.doctor.grow_escalation_share,
+                            regional_enabled=state.cfg.regional.enabled)]
     return doctor.as_dict([*setup, *live])

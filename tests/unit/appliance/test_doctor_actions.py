@@ -160,3 +160,31 @@ def test_one_probe_run_answers_for_both_plans(tmp_path: Path, monkeypatch):
     assert ["--speculative-config" in q.args for q in questions] == [True, False]
     assert site.plan.speculative.method == "ngram" and "stand-in" in " ".join(site.plan.notes)
     assert isinstance(site.without_speculation, PlanError) and "not this one" in str(site.without_speculation)
+
+
+def test_the_grow_advisor_reads_the_traffic_the_daemon_sampled_beside_the_engine(tmp_path: Path):
+    """Wiring: each engine sample the watch takes also samples the gateway's counts, and the doctor route
+    judges them (appliance.doctor.grow)."""
+    import httpx
+
+    from appliance.store import RequestRecord
+
+    daemon, _ = _daemon(tmp_path, act=False)
+    now = time.time()
+    for i in range(21):
+        for status, cls in [(200, "gold"), (200, "silver"), (429, "gold")] if i else []:
+            daemon.metrics.observe_request(RequestRecord(id=f"r{i}", ts=now, route="/v1/chat/completions", model="m",
+                                                         status=status, stream=False), cls)
+            if status == 429:
+                daemon.metrics.observe_decision("gold", "reject", "ttft_target_missed_in_queue")
+        daemon.engine_watch.accept(EngineSample(ts=now - 600 + 30 * i, running=1, generation_tokens=10.0 * i))
+
+    async def ask() -> dict:
+        transport = httpx.ASGITransport(app=daemon.app, client=("127.0.0.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://appliance") as c:
+            return (await c.get("/v1/appliance/doctor", timeout=60)).json()
+
+    found = {f["check"]: f for f in asyncio.run(ask())["findings"]}
+    assert found["grow"]["status"] == "warn", found["grow"]
+    assert "20 of 40 gold requests refused (50.0%)" in found["grow"]["summary"]
+    assert "packaging/regional/" in found["grow"]["advice"]
