@@ -172,10 +172,10 @@ def test_the_grow_advisor_reads_the_traffic_the_daemon_sampled_beside_the_engine
     daemon, _ = _daemon(tmp_path, act=False)
     now = time.time()
     for i in range(21):
-        for status, cls in [(200, "gold"), (200, "silver"), (429, "gold")] if i else []:
+        for answered, cls in [(200, "gold"), (200, "silver"), (429, "gold")] if i else []:
             daemon.metrics.observe_request(RequestRecord(id=f"r{i}", ts=now, route="/v1/chat/completions", model="m",
-                                                         status=status, stream=False), cls)
-            if status == 429:
+                                                         status=answered, stream=False), cls)
+            if answered == 429:
                 daemon.metrics.observe_decision("gold", "reject", "ttft_target_missed_in_queue")
         daemon.engine_watch.accept(EngineSample(ts=now - 600 + 30 * i, running=1, generation_tokens=10.0 * i))
 
