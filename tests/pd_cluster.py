@@ -47,6 +47,14 @@ PREFILL_TRANSFER = {"do_remote_decode": True, "do_remote_prefill": False, "remot
                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 # Sampling fields that cannot hold with a one-token prefill.
 NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "n", "best_of", "max_completion_tokens")
+BLOCK = 128  # the CPU backend's KV block, the connector's unit of transfer
+MAX_MODEL_LEN = 2048
+# ExampleConnector stores a prompt's KV from the step that first schedules it, so a prompt prefilled in
+# chunks is stored short, and decode then crashes loading it ("shape mismatch: value tensor of shape
+# [1024, 3, 128] ... [1280, 3, 128]": bench/outbox.py found it, 4 prompts at once). One prompt per step,
+# with a step budget that holds the longest, keeps every prompt in one piece. A prefill server does this
+# for real too: it has nothing to decode to interleave with.
+PREFILL_ARGS = ("--max-num-seqs", "1", "--max-num-batched-tokens", str(MAX_MODEL_LEN))
 
 
 SERVERS: list[VllmServer] = []  # the live ones: a failed test's report carries their log tails (conftest)
@@ -56,7 +64,7 @@ class VllmServer:
     """One real vLLM OpenAI server on 127.0.0.1 (a cluster pod), its log in a file."""
 
     def __init__(self, directory: Path, role: str, storage: Path, served_name: str,
-                 kv_cache_bytes: int = 512 << 20) -> None:
+                 kv_cache_bytes: int = 512 << 20, extra_args: tuple[str, ...] = ()) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.role = role
         self.port = free_port()
@@ -65,8 +73,9 @@ class VllmServer:
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_path()),
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-                "--enforce-eager", "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(transfer)]
+                "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+                "--enforce-eager", "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(transfer),
+                *extra_args]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
                    VLLM_CACHE_ROOT=str(shared_engine_cache()),
@@ -204,7 +213,6 @@ class PDSidecar:
         self._server.stop()
 
 
-BLOCK = 128  # the CPU backend's KV block, the connector's unit of transfer
 
 
 @dataclass(frozen=True)
@@ -228,8 +236,8 @@ class PDCluster:
     def __init__(self, directory: Path, served_name: str) -> None:
         self.storage = directory / "kv-store"
         self.storage.mkdir(parents=True, exist_ok=True)
-        self.prefill = VllmServer(directory, "kv_producer", self.storage, served_name)
-        self.decode = VllmServer(directory, "kv_consumer", self.storage, served_name)
+        self.prefill = VllmServer(directory, "kv_producer", self.storage, served_name, extra_args=PREFILL_ARGS)
+        self.decode = VllmServer(directory, "kv_consumer", self.storage, served_name, extra_args=("--max-num-seqs", "16"))
         self.sidecar = PDSidecar(self.prefill.url, self.decode.url)
 
     def wait_ready(self) -> None:
@@ -250,6 +258,11 @@ class PDCluster:
             loaded=len(self.decode.injected()),
             tokens_loaded=int(self.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")),
             prompt_tokens=int(self.decode.metric("vllm:prompt_tokens_total")))
+
+    def exited(self) -> list[str]:
+        """What has died, with its log's last lines: a dead server answers nothing, and waiting is pointless."""
+        return [f"vLLM {v.role} exited with {v.proc.returncode}:\n{v.log_tail()}"
+                for v in (self.prefill, self.decode) if v.proc.poll() is not None]
 
     def stop(self) -> None:
         self.sidecar.close()
