@@ -1,7 +1,7 @@
 """What relaying a stream costs in CPU on this machine, with the engine's own cost taken out: nginx, the
 least a Python relay can do, and the appliance's gateway, side by side against one stand-in engine.
 
-    python bench/gateway_floor.py [--requests 400] [--concurrency 16] [--rounds 3]
+    python bench/gateway_floor.py [--requests 400] [--concurrency 16] [--rounds 3] [--granian]
 
 bench/gateway_overhead.py measures the real engine; there the engine's CPU drowns the front's and the
 runs are slow. Here a child process answers every chat request with 64 vLLM-shaped SSE events 10 ms
@@ -12,6 +12,8 @@ fronts relay it, rounds interleaved:
              Python front on the same server and client libraries as the appliance
   appliance  the appliance's own app built from make run's configuration (dev/appliance.toml: keys,
              admission, request log, metrics), its engine marked ready at the stand-in's address
+  --granian  also the relay and the appliance served by granian (a Rust HTTP server; `pip install granian`,
+             not a dependency): does another server layer lower the cost? (bench/granian_targets.py)
 Prints each front's CPU per request (user + system, the front's process only), its ratio to nginx's,
 and the gap between the appliance and the floor: what the gateway's own features cost per stream.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,6 +137,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--granian", action="store_true", help="also serve the relay and the appliance with granian")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-floor-"))
     # The stand-in listens where the appliance's configuration puts the engine's socket, as the real one does.
@@ -154,6 +159,7 @@ def main() -> None:
         print(f"nginx: {NGINX} not found (apt-get install nginx-light); that front is left out")
     fronts["relay"] = (relay_port, [psutil.Process(children[1].pid)])
     fronts["appliance"] = (gw_port, [psutil.Process(children[2].pid)])
+    granians = start_granians(engine_socket, tmp, fronts) if args.granian else []
     try:
         for port, _ in fronts.values():
             wait_listening(port)
@@ -181,6 +187,29 @@ def main() -> None:
             nginx.terminate()
         for c in children:
             c.kill()
+        for g in granians:
+            g.terminate()
+
+
+def start_granians(engine_socket: Path, tmp: Path, fronts: dict) -> list[subprocess.Popen]:
+    """granian serving bench/granian_targets.py's relay and appliance, added to `fronts` (its process tree)."""
+    import importlib.util
+
+    if importlib.util.find_spec("granian") is None:
+        raise SystemExit("--granian: granian is not installed (pip install granian)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               ENGINE_SOCKET=str(engine_socket), APPLIANCE_TMP=str(tmp))
+    started = []
+    for name, target in (("granian-relay", ["bench.granian_targets:relay"]),
+                         ("granian-appl", ["--factory", "bench.granian_targets:appliance"])):
+        port = free_port()
+        g = subprocess.Popen([sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1",
+                              "--port", str(port), "--workers", "1", "--loop", "uvloop", "--no-ws",
+                              "--log-level", "warning", *target], env=env)
+        started.append(g)
+        wait_listening(port)
+        fronts[name] = (port, [psutil.Process(g.pid), *psutil.Process(g.pid).children(recursive=True)])
+    return started
 
 
 if __name__ == "__main__":
