@@ -34,7 +34,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests import loopback
@@ -186,8 +186,13 @@ class PDSidecar:
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def _complete(self, request: Request) -> Response:
-        body = await request.json()
-        path = request.url.path
+        try:
+            return await self._p_then_d(await request.json(), request.url.path)
+        except httpx.HTTPError as e:  # a server down or gone: what a gateway answers, not a traceback
+            return JSONResponse({"error": {"message": f"P/D sidecar: {type(e).__name__}: {e}",
+                                           "type": "upstream_error"}}, status_code=502)
+
+    async def _p_then_d(self, body: dict, path: str) -> Response:
         transfer = None
         if not self.skip_prefill:
             prefill = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
@@ -211,8 +216,6 @@ class PDSidecar:
 
     def close(self) -> None:
         self._server.stop()
-
-
 
 
 @dataclass(frozen=True)
