@@ -50,6 +50,9 @@ class AdmissionConfig:
     classes: Mapping[str, ClassPolicy]
     kv_high_water: float = 0.95  # above this KV usage vLLM would preempt: no new admissions
     reserve_memory_s: float = 5.0  # a reserved share stays held this long after its class's last request
+    # False: a request predicted (or found, in the queue) to miss its TTFT target is queued all the same,
+    # so the prediction can be checked against what then happens (bench/admission_calibration.py).
+    refuse_late: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -81,6 +84,7 @@ class AdmissionConfig:
                      for name, c in section.classes.items()},
             kv_high_water=section.kv_high_water,
             reserve_memory_s=section.reserve_memory_s,
+            refuse_late=section.refuse_late,
         )
 
 
@@ -171,7 +175,7 @@ def decide(cfg: AdmissionConfig, load: Load, req: Request) -> Verdict:
     over = max(0, sum(load.in_flight.values()) - usable)
     wait = (position + req.seqs + over) * load.service_time_s / usable
     predicted = wait + prefill
-    if predicted > pol.ttft_target_s:
+    if predicted > pol.ttft_target_s and cfg.refuse_late:
         return Verdict("reject", predicted, 429, "ttft_target_unreachable",
                        f"predicted time to first token {predicted:.2f}s exceeds the {req.cls} target "
                        f"{pol.ttft_target_s:g}s ({position} queued ahead)",
@@ -191,6 +195,7 @@ class Ticket:
     admitted_at: float
     released: bool = field(default=False)
     seqs: int = 1
+    predicted_s: float = 0.0  # admission's predicted time to first token when it decided
 
 
 class AdmissionGate:
@@ -220,7 +225,9 @@ class AdmissionGate:
         if verdict.action == "reject":
             raise AdmissionRejected(verdict)
         if verdict.action == "admit":
-            return self._take(req.cls, req.seqs)
+            ticket = self._take(req.cls, req.seqs)
+            ticket.predicted_s = verdict.predicted_ttft_s
+            return ticket
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[req.cls].append(fut)
         self._seqs[fut] = req.seqs
@@ -228,7 +235,10 @@ class AdmissionGate:
         budget = self.cfg.classes[req.cls].ttft_target_s - req.prompt_tokens / self.prefill_tokens_per_s
         try:
             # shield: a timeout or a cancelled caller must not cancel a slot handed over at the same moment
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=max(budget, 0.0))
+            ticket = await asyncio.wait_for(asyncio.shield(fut),
+                                            timeout=max(budget, 0.0) if self.cfg.refuse_late else None)
+            ticket.predicted_s = verdict.predicted_ttft_s
+            return ticket
         except TimeoutError:
             if fut.done() and not fut.cancelled():
                 return fut.result()  # a slot arrived at the deadline: keep it

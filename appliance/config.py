@@ -312,6 +312,10 @@ class AdmissionSection(_Section):
     reserve_memory_s: Annotated[float, Field(ge=0)] = Field(default=5.0,
         description="How long a class's reserved share stays held after its last request ends.")
     classes: dict[PriorityClass, ClassSection] = Field(default_factory=_default_classes)
+    refuse_late: bool = Field(default=True,
+        description="Refuse (429) a request predicted, or found while queued, to miss its class's TTFT target. "
+                    "false: queue it all the same, to check the predictions (X-Appliance-Predicted-TTFT-Ms) "
+                    "against what happens.")
 
     @field_validator("classes", mode="before")
     @classmethod

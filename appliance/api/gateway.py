@@ -319,6 +319,8 @@ class Gateway:
             raise self.recorder.failed(rec, t0, self._unreachable(e)) from None
 
         headers = {"X-Request-Id": rec.id}
+        if lease.ticket is not None:  # what admission expected: compare it with the first token's arrival
+            headers[PREDICTED_TTFT] = str(round(lease.ticket.predicted_s * 1000))
         if job.decision is not None:
             headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
         if upstream.status_code != 200 or not job.stream:
@@ -384,6 +386,9 @@ class Gateway:
     def _unreachable(self, e: Exception) -> ApiError:
         return retry_later(503, f"the engine did not answer ({type(e).__name__}); retry later", "engine_unreachable",
                            self.settings.retry_after_s)
+
+
+PREDICTED_TTFT = "X-Appliance-Predicted-TTFT-Ms"
 
 
 @dataclass(eq=False)

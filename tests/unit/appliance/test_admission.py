@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -225,3 +226,26 @@ def test_a_request_of_n_choices_takes_n_slots_and_waits_for_room_for_all():
         assert gate.in_flight["bronze"] == 0
 
     asyncio.run(scenario())
+
+
+def test_with_refuse_late_off_a_late_request_is_queued_with_its_prediction_and_waits_past_its_target():
+    """The calibration mode (admission.refuse_late = false): nothing refused for lateness, the prediction kept."""
+    late = dataclasses.replace(CFG, refuse_late=False)
+    v = decide(late, load({"bronze": 10}, {"silver": 20}, service=5.0), Request("bronze", 100))
+    assert v.action == "queue" and v.predicted_ttft_s == pytest.approx(21 * 5.0 / 10 + 0.1)
+    assert decide(late, load({"bronze": 7}, {"bronze": 5}), Request("bronze", 10)).code == "queue_full"  # still
+
+    cfg = AdmissionConfig(capacity=1, classes={"silver": ClassPolicy(0.2, 100, 10)}, refuse_late=False)
+
+    async def scenario() -> tuple[float, float, float]:
+        gate = AdmissionGate(cfg, service_time_s=0.05, prefill_tokens_per_s=1e6)
+        first = await gate.acquire(Request("silver", 1))
+        waiting = asyncio.create_task(gate.acquire(Request("silver", 1)))
+        await asyncio.sleep(0.4)  # twice the target: with refuse_late on it would have been refused by now
+        assert not waiting.done()
+        gate.release(first)
+        second = await waiting
+        return first.predicted_s, second.predicted_s, gate.service_time_s
+
+    first_p, second_p, _ = asyncio.run(scenario())
+    assert first_p == pytest.approx(1e-6) and second_p == pytest.approx(1 * 0.05 / 1 + 1e-6)  # one slot to wait for

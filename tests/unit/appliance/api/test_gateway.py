@@ -99,12 +99,13 @@ def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
     bronze = keys.create(made.cfg.database_path, "b", priority_class="bronze")[1]
     body = {"model": "m", "prompt": "hi", "max_tokens": 1, "priority": -100}
     try:
-        statuses = [call(made.app, "POST", "/v1/completions", key, json=body).status_code
-                    for key in (gold, None, bronze)]
+        answers = [call(made.app, "POST", "/v1/completions", key, json=body) for key in (gold, None, bronze)]
     finally:
         made.log.close()
-    assert statuses == [200, 200, 200]
+    assert [r.status_code for r in answers] == [200, 200, 200]
     assert seen == [0, 1, 2]  # gold, silver (no key), bronze
+    # admission's expectation goes with the answer, to be checked against the first token's arrival
+    assert all(int(r.headers["x-appliance-predicted-ttft-ms"]) >= 0 for r in answers)
 
 
 def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_path):
