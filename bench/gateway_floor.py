@@ -40,8 +40,9 @@ from appliance import config  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
+from bench.granian_targets import relay_app  # noqa: E402
 from bench.stand_in import serve_sse  # noqa: E402
-from tests.support import asgi_body, free_port  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 EVENTS = 64
 EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -58,24 +59,8 @@ def least_relay(port: int, engine_socket: str) -> None:
     import uvicorn
     import uvloop
 
-    session: list[aiohttp.ClientSession] = []
-
-    async def app(scope: dict, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        body = await asgi_body(receive)
-        if not session:
-            session.append(aiohttp.ClientSession(connector=aiohttp.UnixConnector(engine_socket)))
-        async with session[0].post(f"{ENGINE_BASE_URL}{scope['path']}", data=body,
-                                   headers={"content-type": "application/json"}) as r:
-            await send({"type": "http.response.start", "status": r.status,
-                        "headers": [(b"content-type", b"text/event-stream")]})
-            async for chunk in r.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-                                           lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(relay_app(engine_socket), host="127.0.0.1", port=port, log_config=None,
+                                           access_log=False, lifespan="off"))
     uvloop.run(server.serve())
 
 
@@ -200,7 +185,7 @@ def start_granians(engine_socket: Path, tmp: Path, fronts: dict) -> list[subproc
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                ENGINE_SOCKET=str(engine_socket), APPLIANCE_TMP=str(tmp))
     started = []
-    for name, target in (("granian-relay", ["bench.granian_targets:relay"]),
+    for name, target in (("granian-relay", ["--factory", "bench.granian_targets:relay"]),
                          ("granian-appl", ["--factory", "bench.granian_targets:appliance"])):
         port = free_port()
         g = subprocess.Popen([sys.executable, "-m", "granian", "--interface", "asgi", "--host", "127.0.0.1",

@@ -1,7 +1,7 @@
 """bench/gateway_floor.py --granian: its least relay and the appliance's app as granian ASGI targets, to
 see whether a Rust HTTP server in place of uvicorn lowers what a stream costs (issue 13).
 
-    granian --interface asgi bench.granian_targets:relay
+    granian --interface asgi --factory bench.granian_targets:relay
     granian --interface asgi --factory bench.granian_targets:appliance
 
 The engine's socket and the appliance's scratch folder come from the environment (ENGINE_SOCKET,
@@ -19,23 +19,32 @@ import aiohttp
 from appliance.engine.args import ENGINE_BASE_URL
 from tests.support import asgi_body
 
-_session: list[aiohttp.ClientSession] = []
+
+def relay_app(engine_socket: str):
+    """The least a Python relay can do: the request's body to the engine, its answer's chunks back as they
+    come, nothing else (gateway_floor.py serves it on uvicorn, this module on granian)."""
+    session: list[aiohttp.ClientSession] = []
+
+    async def app(scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = await asgi_body(receive)
+        if not session:
+            session.append(aiohttp.ClientSession(connector=aiohttp.UnixConnector(engine_socket)))
+        async with session[0].post(f"{ENGINE_BASE_URL}{scope['path']}", data=body,
+                                   headers={"content-type": "application/json"}) as r:
+            await send({"type": "http.response.start", "status": r.status,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            async for chunk in r.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
 
 
-async def relay(scope: dict, receive, send) -> None:
-    """The same least relay as gateway_floor.least_relay, on whatever server imports it."""
-    if scope["type"] != "http":
-        return
-    body = await asgi_body(receive)
-    if not _session:
-        _session.append(aiohttp.ClientSession(connector=aiohttp.UnixConnector(os.environ["ENGINE_SOCKET"])))
-    async with _session[0].post(f"{ENGINE_BASE_URL}{scope['path']}", data=body,
-                                headers={"content-type": "application/json"}) as r:
-        await send({"type": "http.response.start", "status": r.status,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        async for chunk in r.content.iter_any():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+def relay():
+    """granian --factory target: relay_app on the socket ENGINE_SOCKET names."""
+    return relay_app(os.environ["ENGINE_SOCKET"])
 
 
 def appliance():
