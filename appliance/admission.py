@@ -226,8 +226,13 @@ class AdmissionGate:
             raise AdmissionRejected(verdict)
         if verdict.action == "admit":
             ticket = self._take(req.cls, req.seqs)
-            ticket.predicted_s = verdict.predicted_ttft_s
-            return ticket
+        else:
+            ticket = await self._queue(req)
+        ticket.predicted_s = verdict.predicted_ttft_s
+        return ticket
+
+    async def _queue(self, req: Request) -> Ticket:
+        """Wait in the class's queue for a slot, up to the class's target unless refuse_late is off."""
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[req.cls].append(fut)
         self._seqs[fut] = req.seqs
@@ -235,10 +240,8 @@ class AdmissionGate:
         budget = self.cfg.classes[req.cls].ttft_target_s - req.prompt_tokens / self.prefill_tokens_per_s
         try:
             # shield: a timeout or a cancelled caller must not cancel a slot handed over at the same moment
-            ticket = await asyncio.wait_for(asyncio.shield(fut),
-                                            timeout=max(budget, 0.0) if self.cfg.refuse_late else None)
-            ticket.predicted_s = verdict.predicted_ttft_s
-            return ticket
+            return await asyncio.wait_for(asyncio.shield(fut),
+                                          timeout=max(budget, 0.0) if self.cfg.refuse_late else None)
         except TimeoutError:
             if fut.done() and not fut.cancelled():
                 return fut.result()  # a slot arrived at the deadline: keep it

@@ -58,8 +58,8 @@ class TrafficWatch:
         self.source = source
         self.samples: deque[TrafficSample] = deque(maxlen=keep)
 
-    def record(self, ts: float | None = None) -> None:
-        self.samples.append(self.source(time.time() if ts is None else ts))
+    def record(self, ts: float) -> None:
+        self.samples.append(self.source(ts))
 
     def since(self, seconds: float) -> list[TrafficSample]:
         cutoff = time.time() - seconds
