@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from appliance.engine.args import engine_env
 from tests import loopback
 from tests.support import default_model_path, free_port, serve_in_thread, shared_engine_cache, wait_for
 
@@ -76,11 +77,8 @@ class VllmServer:
                 "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_cache_bytes),
                 "--enforce-eager", "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(transfer),
                 *extra_args]
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
-                   VLLM_CACHE_ROOT=str(shared_engine_cache()),
-                   # its ZeroMQ sockets in a folder of its own, not /tmp
-                   VLLM_RPC_BASE_PATH=tempfile.mkdtemp(prefix="pd-"))
+        # the appliance's own engine environment: offline, its ZeroMQ sockets in a folder of its own
+        env = engine_env(os.environ, shared_engine_cache(), Path(tempfile.mkdtemp(prefix="pd-")))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (written by the child until stop())
         # A session of its own, so stop() takes vLLM's engine-core child with it.
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +62,15 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
         argv.append("--enforce-eager")
     argv.extend(e.extra_args)
 
-    env = dict(os.environ if base_env is None else base_env)
+    env = engine_env(os.environ if base_env is None else base_env, cfg.engine_cache_dir, cfg.engine_socket.parent)
+    # Passed by environment, not argv, so it does not show in `ps`.
+    env["VLLM_API_KEY"] = internal_key
+    return EngineLaunch(argv=argv, env=env, socket=cfg.engine_socket, internal_key=internal_key)
+
+
+def engine_env(base_env: Mapping[str, str], cache_root: Path, rpc_dir: Path) -> dict[str, str]:
+    """A vLLM server's environment: `base_env` made offline and private (the tests' regional servers use it too)."""
+    env = dict(base_env)
     env.update(
         {
             # No model hub, ever: models load from local paths only.
@@ -70,19 +78,17 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(cfg.engine_cache_dir),
-            # Passed by environment, not argv, so it does not show in `ps`.
-            "VLLM_API_KEY": internal_key,
+            "VLLM_CACHE_ROOT": str(cache_root),
             "PYTHONUNBUFFERED": "1",
             # vLLM's ZeroMQ sockets between its API server and engine core are files in this directory
-            # (default: /tmp, where any local user could connect to them): the private one instead.
-            "VLLM_RPC_BASE_PATH": str(cfg.engine_socket.parent),
+            # (default: /tmp, where any local user could connect to them): a private one instead.
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),
         }
     )
     # VLLM_CPU_KVCACHE_SPACE silently overrides --kv-cache-memory-bytes on the CPU
-    # backend (docs/engine-notes.md); the plan's figure must win.
+    # backend (docs/engine-notes.md); the planned figure must win.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    return EngineLaunch(argv=argv, env=env, socket=cfg.engine_socket, internal_key=internal_key)
+    return env
 
 
 def with_admission(cfg: Config, plan_args: Sequence[str]) -> list[str]:
