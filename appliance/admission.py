@@ -220,14 +220,25 @@ class AdmissionGate:
                     self.prefill_tokens_per_s, self.kv_usage, recent)
 
     async def acquire(self, req: Request) -> Ticket:
+        now = self.admit_now(req)
+        return now if isinstance(now, Ticket) else await self.queue(req, now)
+
+    def admit_now(self, req: Request) -> Ticket | Verdict:
+        """A slot now, or the verdict to wait in the queue with (`queue`); AdmissionRejected when refused.
+        Apart from `acquire` so the common case, a free slot, costs its caller no task to await."""
         verdict = decide(self.cfg, self.load(), req)
         self.on_decision(req.cls, verdict.action, verdict.code or "")
         if verdict.action == "reject":
             raise AdmissionRejected(verdict)
-        if verdict.action == "admit":
-            ticket = self._take(req.cls, req.seqs)
-        else:
-            ticket = await self._queue(req)
+        if verdict.action != "admit":
+            return verdict
+        ticket = self._take(req.cls, req.seqs)
+        ticket.predicted_s = verdict.predicted_ttft_s
+        return ticket
+
+    async def queue(self, req: Request, verdict: Verdict) -> Ticket:
+        """Wait for a slot as `verdict` (admit_now's) said to."""
+        ticket = await self._queue(req)
         ticket.predicted_s = verdict.predicted_ttft_s
         return ticket
 

@@ -18,6 +18,7 @@ import logging
 import resource
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,7 +27,7 @@ from appliance import state_dump
 from appliance.admission import AdmissionGate
 from appliance.api.gateway import Gateway
 from appliance.api.http_protocol import GuardedHttpProtocol
-from appliance.config import Config, ConfigError
+from appliance.config import Config, ConfigError, ServerSection
 from appliance.config import load as load_config
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
 from appliance.engine_watch import EngineWatch
@@ -96,20 +97,7 @@ class Daemon:
         _raise_fd_limit(self.cfg.server.max_connections)
         self.cfg.state.directory.mkdir(parents=True, exist_ok=True)
         self.request_log.start()
-        server = _ApiServer(
-            uvicorn.Config(
-                self.app,
-                host=self.cfg.server.host,
-                port=self.cfg.server.port,
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                timeout_graceful_shutdown=10,
-                http=GuardedHttpProtocol.configured(
-                    header_timeout_s=self.cfg.server.header_timeout_s, body_timeout_s=self.cfg.server.body_timeout_s,
-                    max_connections=self.cfg.server.max_connections, retry_after_s=self.cfg.server.retry_after_s),
-            )
-        )
+        server = _ApiServer(server_config(self.app, self.cfg.server))
         self._server = server
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
@@ -275,3 +263,14 @@ def _raise_fd_limit(max_connections: int) -> None:
     if soft < max_connections + _FD_HEADROOM:
         log.warning("open-files limit %d is short of server.max_connections %d plus %d: raise LimitNOFILE in "
                     "the unit or lower max_connections", soft, max_connections, _FD_HEADROOM)
+
+
+def server_config(app: Any, server: ServerSection) -> uvicorn.Config:
+    """How the daemon serves its API: uvicorn with the guarded connection layer (benchmarks serve the app
+    the same way)."""
+    return uvicorn.Config(
+        app, host=server.host, port=server.port, log_config=None, access_log=False, lifespan="off",
+        timeout_graceful_shutdown=10,
+        http=GuardedHttpProtocol.configured(
+            header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+            max_connections=server.max_connections, retry_after_s=server.retry_after_s))

@@ -36,6 +36,15 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
         app.add_middleware(ApiKeyAuth, verifier=verifier, required=keys_required)
     supervisor = gateway.supervisor
 
+    # The generation routes first: the router tries routes in order, and these carry nearly every request.
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, "/v1/completions", CompletionRequest)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         """The appliance process is alive and its event loop answers."""
@@ -127,14 +136,6 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         return await gateway.list_models(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await gateway.generate(request, "/v1/chat/completions", ChatCompletionRequest)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await gateway.generate(request, "/v1/completions", CompletionRequest)
 
     # Added last, so outermost: it also catches a fault in the key middleware.
     app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)

@@ -28,14 +28,16 @@ from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
 from appliance.api.disconnect import ClientGone, ClosingStream, race_disconnect, read_or_leave
+from appliance.api.engine_stream import EngineStream
 from appliance.api.errors import ApiError, error_body, retry_later
-from appliance.api.http_protocol import BODY_TIMED_OUT
+from appliance.api.http_protocol import BODY_TIMED_OUT, CLIENT_WRITER
 from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
-from appliance.api.relay import prepended, refused_at_start, relay
+from appliance.api.relay import EventFilter, prepended, refused_at_start, relay
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
+from appliance.api.splice import SplicedStream
 from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
@@ -95,8 +97,8 @@ class Gateway:
             limits=limits,
             transport=transport,
         )
-        # Generation requests, the hot path, go over aiohttp (appliance.api.upstream says why), unless a
-        # test's transport stands in for the engine.
+        # Generation requests, the hot path, go over a protocol of our own (appliance.api.upstream says
+        # why), unless a test's transport stands in for the engine.
         self.engine = EngineLink(settings.upstream_timeout_s, settings.engine_socket,
                                  self.client if stand_in else None)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
@@ -291,7 +293,10 @@ class Gateway:
         if self.admission is None:
             return None
         try:
-            return await race_disconnect(request, self.admission.acquire(req), discard=self._release_async)
+            now = self.admission.admit_now(req)
+            if isinstance(now, Ticket):
+                return now
+            return await race_disconnect(request, self.admission.queue(req, now), discard=self._release_async)
         except AdmissionRejected as e:
             v = e.verdict
             headers = {"Retry-After": str(v.retry_after_s)} if v.retry_after_s else {}
@@ -367,15 +372,19 @@ class Gateway:
             self.inflight.end(rec)  # normally gone already (the request log's entry); not when the send failed
             await upstream.aclose()
 
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        background = BackgroundTask(self.recorder.record_after_response, rec, t0)
+        writer = request.scope.get("extensions", {}).get(CLIENT_WRITER)
+        if writer is not None and isinstance(upstream, EngineStream) and not job.judge:
+            # The cheap way (appliance.api.splice): chunks from the engine's connection to the client's.
+            return SplicedStream(upstream, first, EventFilter(rec, t0, not job.client_wants_usage, job.flight,
+                                                              first_token),
+                                 writer, on_close=on_close, headers=headers, background=background)
         return ClosingStream(
             relay(prepended(first, chunks) if first else chunks, upstream.aclose, rec, t0, strip_usage=not job.client_wants_usage,
                   flight=job.flight, on_first=first_token,
                   judge=self.routing.stream_judge(job) if job.judge else None),
-            on_close=on_close,
-            media_type="text/event-stream",
-            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(self.recorder.record_after_response, rec, t0),
-        )
+            on_close=on_close, media_type="text/event-stream", headers=headers, background=background)
 
     def _auth(self, rid: str | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}

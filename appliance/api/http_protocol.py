@@ -14,6 +14,9 @@ uvicorn does not do.
   dropped for up to LINGER_S. Closed at once, a client still sending met a reset, and a reset makes the
   client's kernel throw the unread answer away: it saw "connection reset" instead of the 400.
 
+- A `ClientWriter` in each request's scope (`scope["extensions"][CLIENT_WRITER]`): the connection, for a
+  response body written without ASGI's send per chunk (appliance.api.splice says why).
+
 A subclass, not a fork: only the hooks named below are overridden, each calling uvicorn's own.
 """
 
@@ -43,6 +46,47 @@ def refusal(status: int, message: str, code: str, retry_after_s: int | None = No
     if retry_after_s is not None:
         head.append(b"retry-after: %d" % retry_after_s)
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+CLIENT_WRITER = "appliance.client_writer"  # the scope extension holding the request's ClientWriter
+
+
+class ClientWriter:
+    """A request's connection, for the body of a response its ASGI send has started: each write framed as
+    HTTP/1.1 chunked, as uvicorn's send frames it, and nothing else of send's bookkeeping per chunk (the
+    response's end still goes through send). Reads uvicorn's RequestResponseCycle, whose fields are the
+    ones its own send uses."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    @property
+    def framed(self) -> bool:
+        """Started, chunked and not yet complete: what write() assumes."""
+        c = self._cycle
+        return bool(c.response_started and c.chunked_encoding and not c.response_complete)
+
+    @property
+    def gone(self) -> bool:
+        return bool(self._cycle.disconnected)
+
+    @property
+    def paused(self) -> bool:
+        """The connection's buffer is full: the client reads slower than it is written to."""
+        return bool(self._cycle.flow.write_paused)
+
+    async def drain(self) -> None:
+        await self._cycle.flow.drain()
+
+    def write(self, data: bytes) -> bool:
+        """Send `data` as one chunk; False when the client has gone (nothing is written then)."""
+        c = self._cycle
+        if c.disconnected:
+            return False
+        c.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        return True
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -88,6 +132,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # its task is created, not yet run
+            # (an upgrade request makes no cycle: self.cycle is then the previous request's)
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[CLIENT_WRITER] = ClientWriter(self.cycle)
         if self.cycle is not None and self.cycle.more_body:
             self._arm(self.body_timeout_s, self._body_too_slow)
 

@@ -64,25 +64,67 @@ async def prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[b
         yield chunk
 
 
+class EventFilter:
+    """What every chunk of a local stream goes through, however it is relayed (the generator below, or
+    appliance.api.splice): whole events only, the first one's time taken, the usage taken into the
+    request's record (and removed when the client did not ask for it), the text kept when the request log
+    keeps texts, the log-probabilities handed to the judge. Synchronous: called once per chunk."""
+
+    def __init__(self, rec: RequestRecord, t0: float, strip_usage: bool, flight: Flight,
+                 on_first: Callable[[], None] = lambda: None, judge: StreamJudge | None = None) -> None:
+        self.rec, self.t0, self.strip_usage, self.flight = rec, t0, strip_usage, flight
+        self.on_first, self.judge = on_first, judge
+        self.texts: list[str] | None = [] if rec.prompt is not None else None
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes, ready for the client (often b"")."""
+        self.flight.received()
+        rec = self.rec
+        if rec.ttft_ms is None:
+            rec.ttft_ms = (time.perf_counter() - self.t0) * 1000
+            self.on_first()
+        buf = self._buf + chunk
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = buf
+            return b""
+        ready, self._buf = buf[: cut + 2], buf[cut + 2 :]
+        if _USAGE_MARK in ready or self.texts is not None or self.judge is not None:
+            ready = inspect_events(ready, rec, self.strip_usage, self.texts, self.judge)
+        return ready
+
+    def rest(self) -> bytes:
+        """What came after the last whole event (nothing, from a well-formed stream)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def broke_off(self, e: BaseException) -> bytes:
+        """The engine went away mid-answer: the error event that ends the stream, which the OpenAI client
+        raises on, instead of a silent truncation."""
+        rec = self.rec
+        rec.status, rec.error_code = 502, "engine_stream_broken"
+        log.warning("stream %s broke off: %s", rec.id, e or type(e).__name__, extra={"REQUEST_ID": rec.id})
+        err = error_body("the engine stopped while streaming this answer; retry", "server_error", None,
+                         "engine_stream_broken")
+        return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+    def client_left(self) -> None:
+        self.rec.status, self.rec.error_code = 499, "client_disconnected"
+
+    def finish(self) -> None:
+        if self.texts is not None:
+            self.rec.completion = "".join(self.texts)
+
+
 async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None]], rec: RequestRecord, t0: float,
                 strip_usage: bool, flight: Flight, on_first: Callable[[], None] = lambda: None,
                 judge: StreamJudge | None = None) -> AsyncIterator[bytes]:
     """The client's stream: whole events as they complete; `close` runs however it ends."""
-    buf = b""
-    texts: list[str] | None = [] if rec.prompt is not None else None
+    events = EventFilter(rec, t0, strip_usage, flight, on_first, judge)
     try:
         async for chunk in chunks:
-            flight.received()
-            if rec.ttft_ms is None:
-                rec.ttft_ms = (time.perf_counter() - t0) * 1000
-                on_first()
-            buf += chunk
-            cut = buf.rfind(b"\n\n")
-            if cut < 0:
-                continue
-            ready, buf = buf[: cut + 2], buf[cut + 2 :]
-            if _USAGE_MARK in ready or texts is not None or judge is not None:
-                ready = inspect_events(ready, rec, strip_usage, texts, judge)
+            ready = events.feed(chunk)
             if judge is not None and _DONE in ready:
                 # The answer is complete: judge it before the client sees the end of the stream.
                 head, tail = ready.split(_DONE, 1)
@@ -90,24 +132,18 @@ async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None
             if ready:
                 yield ready
                 flight.sent()
-        if buf:
-            yield buf
+        rest = events.rest()
+        if rest:
+            yield rest
     except UPSTREAM_ERRORS as e:
-        # The engine went away mid-answer: end the stream with an error event the
-        # OpenAI client raises on, instead of a silent truncation.
-        rec.status, rec.error_code = 502, "engine_stream_broken"
-        log.warning("stream %s broke off: %s", rec.id, type(e).__name__, extra={"REQUEST_ID": rec.id})
-        err = error_body("the engine stopped while streaming this answer; retry", "server_error", None,
-                         "engine_stream_broken")
-        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        yield events.broke_off(e)
     except asyncio.CancelledError:
-        rec.status, rec.error_code = 499, "client_disconnected"
+        events.client_left()
         raise
     finally:
         # Closing an unfinished upstream stream drops the connection: vLLM aborts the request.
         await close()
-        if texts is not None:
-            rec.completion = "".join(texts)
+        events.finish()
 
 
 def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None,
