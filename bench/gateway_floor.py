@@ -1,21 +1,24 @@
 """What relaying a stream costs in CPU on this machine, with the engine's own cost taken out: nginx, the
-least a Python relay can do, and the appliance's gateway, side by side against one stand-in engine.
+least a Python relay can do (two ways), and the appliance's gateway, side by side against one stand-in engine.
 
-    python bench/gateway_floor.py [--requests 400] [--concurrency 16] [--rounds 3] [--granian]
+    python bench/gateway_floor.py [--requests 400] [--concurrency 16] [--rounds 3] [--events 64] [--granian]
 
 bench/gateway_overhead.py measures the real engine; there the engine's CPU drowns the front's and the
 runs are slow. Here a child process answers every chat request with 64 vLLM-shaped SSE events 10 ms
-apart, the usage event and [DONE] (an engine step per event, as the CPU engine sends them), and three
+apart, the usage event and [DONE] (an engine step per event, as the CPU engine sends them), and four
 fronts relay it, rounds interleaved:
   nginx      Debian's nginx-light, the same generated config as gateway_overhead.py (left out when missing)
-  relay      a raw ASGI app on uvicorn reading the engine over aiohttp, nothing else: the floor of any
-             Python front on the same server and client libraries as the appliance
+  relay      a raw ASGI app on uvicorn reading the engine over aiohttp, nothing else: the floor of a
+             Python front that passes every chunk through an HTTP client and ASGI's send
+  splice     the least relay the appliance's way (appliance.api.splice): EngineStream for the engine leg,
+             each chunk written by the connection layer's ClientWriter, on the daemon's uvicorn setup
   appliance  the appliance's own app built from make run's configuration (dev/appliance.toml: keys,
-             admission, request log, metrics), its engine marked ready at the stand-in's address
+             admission, request log, metrics), its engine marked ready at the stand-in's address, served
+             as the daemon serves it
   --granian  also the relay and the appliance served by granian (a Rust HTTP server; `pip install granian`,
              not a dependency): does another server layer lower the cost? (bench/granian_targets.py)
 Prints each front's CPU per request (user + system, the front's process only), its ratio to nginx's,
-and the gap between the appliance and the floor: what the gateway's own features cost per stream.
+and the gap between the appliance and the splice floor: what the gateway's own features cost per stream.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
 from bench.granian_targets import relay_app  # noqa: E402
 from bench.stand_in import serve_sse  # noqa: E402
-from tests.support import free_port  # noqa: E402
+from tests.support import asgi_body, free_port  # noqa: E402
 
 EVENTS = 64
 EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -51,8 +54,8 @@ USAGE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1
          b'"usage":{"prompt_tokens":5,"completion_tokens":64,"total_tokens":69}}\n\n')
 
 
-def stand_in_engine(path: str) -> None:
-    serve_sse(path, "/v1/chat/completions", EVENT, EVENTS, 0.01, USAGE + b"data: [DONE]\n\n")
+def stand_in_engine(path: str, events: int = EVENTS) -> None:
+    serve_sse(path, "/v1/chat/completions", EVENT, events, 0.01, USAGE + b"data: [DONE]\n\n")
 
 
 def least_relay(port: int, engine_socket: str) -> None:
@@ -64,6 +67,32 @@ def least_relay(port: int, engine_socket: str) -> None:
     uvloop.run(server.serve())
 
 
+def least_splice(port: int, engine_socket: str) -> None:
+    """The least relay the appliance's way (appliance.api.splice): the engine leg is EngineStream, each
+    chunk written by the ClientWriter the daemon's connection layer puts in the scope; nothing else."""
+    import uvicorn
+    import uvloop
+
+    from appliance import config
+    from appliance.api.engine_stream import EngineStream
+    from appliance.api.http_protocol import CLIENT_WRITER
+    from appliance.daemon import server_config
+
+    async def app(scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = await asgi_body(receive)
+        up = await EngineStream.open(Path(engine_socket), scope["path"], body, {"Content-Type": "application/json"},
+                                     connect_s=5, idle_s=60)
+        await send({"type": "http.response.start", "status": up.status_code,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await up.splice(scope["extensions"][CLIENT_WRITER].write)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    server = config.ServerSection(host="127.0.0.1", port=port)
+    uvloop.run(uvicorn.Server(server_config(app, server)).serve())
+
+
 def appliance_gateway(port: int, tmp: str) -> None:
     """The daemon's app as assembly.build makes it, served as the daemon serves it, minus the engine."""
     import uvicorn
@@ -71,6 +100,7 @@ def appliance_gateway(port: int, tmp: str) -> None:
 
     from appliance import config
     from appliance.assembly import build
+    from appliance.daemon import server_config
     from appliance.engine.supervisor import EngineState
     from appliance.planning import plan_for_config
 
@@ -80,12 +110,11 @@ def appliance_gateway(port: int, tmp: str) -> None:
     daemon.supervisor.launch = SimpleNamespace(base_url=ENGINE_BASE_URL)  # type: ignore[assignment]
     cfg.state.directory.mkdir(parents=True, exist_ok=True)
     daemon.request_log.start()
-    server = uvicorn.Server(uvicorn.Config(daemon.app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="off"))
-    uvloop.run(server.serve())
+    cfg.server.host, cfg.server.port = "127.0.0.1", port
+    uvloop.run(uvicorn.Server(server_config(daemon.app, cfg.server)).serve())
 
 
-async def load(port: int, requests: int, concurrency: int) -> int:
+async def load(port: int, requests: int, concurrency: int, expect: int = EVENTS) -> int:
     """Stream `requests` chat answers through the front; returns how many failed."""
     body = b'{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":"hi"}],"stream":true}'
     failed = 0
@@ -98,7 +127,7 @@ async def load(port: int, requests: int, concurrency: int) -> int:
                 events = 0
                 async for line in r.content:
                     events += line.startswith(b"data: {")
-                failed += r.status != 200 or events < EVENTS
+                failed += r.status != 200 or events < expect
 
         await asyncio.gather(*(one() for _ in range(requests)))
     return failed
@@ -122,15 +151,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--events", type=int, default=EVENTS,
+                    help="events per answer; --events 1 leaves mostly the per-request cost")
     ap.add_argument("--granian", action="store_true", help="also serve the relay and the appliance with granian")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-floor-"))
     # The stand-in listens where the appliance's configuration puts the engine's socket, as the real one does.
     engine_socket = prepare_socket_dir(config.load(str(default_config(tmp))).engine_socket)
-    children = [multiprocessing.Process(target=stand_in_engine, args=(str(engine_socket),), daemon=True)]
+    children = [multiprocessing.Process(target=stand_in_engine, args=(str(engine_socket), args.events), daemon=True)]
     fronts: dict[str, tuple[int, list[psutil.Process]]] = {}
-    relay_port, gw_port = free_port(), free_port()
+    relay_port, splice_port, gw_port = free_port(), free_port(), free_port()
     children.append(multiprocessing.Process(target=least_relay, args=(relay_port, str(engine_socket)), daemon=True))
+    children.append(multiprocessing.Process(target=least_splice, args=(splice_port, str(engine_socket)), daemon=True))
     children.append(multiprocessing.Process(target=appliance_gateway, args=(gw_port, str(tmp)),
                                             daemon=True))
     for c in children:
@@ -143,7 +175,8 @@ def main() -> None:
     else:
         print(f"nginx: {NGINX} not found (apt-get install nginx-light); that front is left out")
     fronts["relay"] = (relay_port, [psutil.Process(children[1].pid)])
-    fronts["appliance"] = (gw_port, [psutil.Process(children[2].pid)])
+    fronts["splice"] = (splice_port, [psutil.Process(children[2].pid)])
+    fronts["appliance"] = (gw_port, [psutil.Process(children[3].pid)])
     granians = start_granians(engine_socket, tmp, fronts) if args.granian else []
     try:
         for port, _ in fronts.values():
@@ -153,20 +186,21 @@ def main() -> None:
             order = list(fronts) if rnd % 2 == 0 else list(reversed(fronts))
             for name in order:
                 port, procs = fronts[name]
-                asyncio.run(load(port, 20, args.concurrency))  # warm: connections open, code paths hot
+                asyncio.run(load(port, 20, args.concurrency, args.events))  # warm: connections open, code paths hot
                 before = cpu(procs)
-                failed = asyncio.run(load(port, args.requests, args.concurrency))
+                failed = asyncio.run(load(port, args.requests, args.concurrency, args.events))
                 if failed:
                     raise SystemExit(f"{name}: {failed} of {args.requests} streams failed or came short")
                 per_request[name].append((cpu(procs) - before) / args.requests * 1000)
-        print(f"CPU per streamed request ({EVENTS} events, {args.concurrency} streams, {args.rounds} rounds "
+        print(f"CPU per streamed request ({args.events} events, {args.concurrency} streams, {args.rounds} rounds "
               f"of {args.requests}; median of rounds)")
         med = {n: sorted(v)[len(v) // 2] for n, v in per_request.items()}
         for name, v in per_request.items():
             vs = f"  {med[name] / med['nginx']:.2f}x nginx" if "nginx" in med else ""
             print(f"  {name:10} {med[name]:6.2f} ms   rounds {', '.join(f'{x:.2f}' for x in v)}{vs}")
-        print(f"  the gateway's own features cost {med['appliance'] - med['relay']:.2f} ms per stream over the "
-              f"least Python relay")
+        print(f"  the gateway's own features cost {med['appliance'] - med['splice']:.2f} ms per stream over the "
+              f"least relay its way (splice); the least ASGI relay costs {med['relay'] - med['splice']:.2f} ms more "
+              "than that")
     finally:
         if nginx is not None:
             nginx.terminate()

@@ -11,12 +11,15 @@ quarter of the slots) with only its ports and folders moved. Four paths per conc
              no buffering. Skipped, and said so, when /usr/sbin/nginx is missing.
   appliance  the appliance without a key: every request in the anonymous class (single-class traffic)
   classes    the appliance with keys of gold, silver and bronze in turn (admission classes in use)
-Rounds rotate the paths' order so drift in the machine hits them all. Prints p50/p99 time to first
+Rounds rotate the paths' order so drift in the machine hits them all; after the classes path the run waits
+out gold's reserve memory (admission.reserve_memory_s), so the next path's traffic is single-class as its
+name says. Prints p50/p99 time to first
 token, tok/s, and per path the ratios to direct, the TTFT deltas and CPU per request of the process in
 front of the engine (the appliance, or nginx's workers), then the issue's goals, met or missed:
   tok/s ratio at least nginx's minus 0.02 at every level; p99 TTFT within 1.2x of direct while the
-  load is within the engine's slots; at most 2 ms gateway CPU per streamed request; p50 TTFT at most
-  +1 ms at one stream.
+  load is within the engine's slots; at most 2 ms gateway CPU per streamed request (the appliance's idle
+  cost, measured first, taken out: it is spent per second whatever the traffic; both are printed); p50
+  TTFT at most +1 ms at one stream.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tomli_w
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from appliance import keys  # noqa: E402
+from appliance import config, keys  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from tests.support import default_model_path, free_port, launch_appliance, shared_engine_cache  # noqa: E402
 
@@ -194,6 +197,8 @@ async def run(args: argparse.Namespace) -> None:
               flush=True)
         app.wait_ready(900)
         slots = tomllib.loads(cfg_path.read_text())["engine"]["max_num_seqs"]
+        # After the classes path, gold's reserve stays held this long: single-class traffic waits it out.
+        reserve_memory_s = config.load(str(cfg_path)).admission.reserve_memory_s
         engine_key = (tmp / "state" / "engine.key").read_text().strip()
         direct_auth = [{"Authorization": f"Bearer {engine_key}"}]
         direct = aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(app.engine_socket), limit=0),
@@ -220,7 +225,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.sleep(10)
         idle_ms_per_s = 1e3 * (cpu(me) - before) / (time.perf_counter() - t0)
         print(f"appliance idle (metrics polling, watchdog, loop monitor): {idle_ms_per_s:.1f} ms CPU per second; "
-              "cpu/req below includes it")
+              "cpu/req below includes it, the goal's figure does not")
         print(f"\n{args.max_tokens} output tokens per request (greedy chat), {args.rounds} interleaved rounds, "
               f"engine slots {slots}\n")
         hdr = f"{'streams':>7} {'path':>9} {'reqs':>5} {'ttft p50':>9} {'ttft p99':>9} {'tok/s':>8} {'err':>4} {'cpu/req':>8}"
@@ -235,6 +240,8 @@ async def run(args: argparse.Namespace) -> None:
                 for p in order:
                     await batch(session, p, app.served_name, rnd * per_round, per_round, conc, args.max_tokens,
                                 results[p.name])
+                    if p.name == "classes":  # the next path is not single-class traffic until gold's reserve lapses
+                        await asyncio.sleep(reserve_memory_s + 0.5)
             d = results["direct"]
             d_rate = d.tokens / d.wall
             for p in paths:
@@ -255,9 +262,11 @@ async def run(args: argparse.Namespace) -> None:
                                           ratio >= nginx_ratio - 0.02))
                     if conc <= slots:
                         verdicts.append(_goal(f"{conc:>2} streams: p99 TTFT {p99:.2f}x of direct <= 1.2x", p99 <= 1.2))
+                    # What the requests cost: the idle cost (per second, whatever the traffic) taken out.
                     cpu_ms = 1e3 * s.cpu / s.requests
-                    verdicts.append(_goal(f"{conc:>2} streams: gateway CPU {cpu_ms:.2f} ms per request <= 2 ms",
-                                          cpu_ms <= 2.0))
+                    per_req = (1e3 * s.cpu - idle_ms_per_s * s.wall) / s.requests
+                    verdicts.append(_goal(f"{conc:>2} streams: gateway CPU {per_req:.2f} ms per request "
+                                          f"({cpu_ms:.2f} with the idle cost) <= 2 ms", per_req <= 2.0))
                     if conc == 1:
                         verdicts.append(_goal(f" 1 stream: p50 TTFT {p50:+.2f} ms <= +1 ms", p50 <= 1.0))
             print(flush=True)

@@ -1,10 +1,11 @@
-"""What reading an engine's SSE answer costs the gateway's HTTP client: httpx and aiohttp side by side,
-against one local aiohttp server (in a child process) that streams 64 vLLM-shaped events per request.
+"""What reading an engine's SSE answer costs the gateway's engine leg: httpx, aiohttp and the appliance's
+own EngineStream (read chunk by chunk as an Upstream, and spliced, each chunk to a plain function) side by
+side, against one local aiohttp server (in a child process) that streams 64 vLLM-shaped events per request.
 
     python bench/upstream_clients.py [--requests 300] [--concurrency 8] [--rounds 2]
 
-Prints the CPU of this process (the client) per request for each client, rounds interleaved, and the
-ratio. The reason appliance/api/upstream.py sends generation requests over aiohttp.
+Prints the CPU of this process (the client) per request for each, rounds interleaved, and the ratios to
+the spliced EngineStream: the reason appliance/api/upstream.py reaches the engine with neither library.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from appliance.api.engine_stream import EngineStream
 from bench.stand_in import serve_sse
 
 EVENT = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
@@ -51,7 +53,17 @@ async def measure(args: argparse.Namespace, path: str) -> None:
             async for _ in r.content.iter_any():
                 pass
 
-    clients: dict[str, Callable[[], Awaitable[None]]] = {"httpx": via_httpx, "aiohttp": via_aiohttp}
+    async def via_engine_stream() -> None:  # as judged streams and whole answers read it
+        r = await EngineStream.open(Path(path), "/v1/completions", body, headers, connect_s=5, idle_s=60)
+        async for _ in r.aiter_raw():
+            pass
+
+    async def spliced() -> None:  # as local streams are relayed (appliance.api.splice)
+        r = await EngineStream.open(Path(path), "/v1/completions", body, headers, connect_s=5, idle_s=60)
+        await r.splice(lambda chunk: None)
+
+    clients: dict[str, Callable[[], Awaitable[None]]] = {
+        "httpx": via_httpx, "aiohttp": via_aiohttp, "engine_stream": via_engine_stream, "spliced": spliced}
     cpu = {name: 0.0 for name in clients}
     for rnd in range(args.rounds):
         for name in (list(clients) if rnd % 2 == 0 else list(reversed(clients))):
@@ -71,8 +83,7 @@ async def measure(args: argparse.Namespace, path: str) -> None:
     await ac.close()
     per = {name: 1e3 * c / (args.requests * args.rounds) for name, c in cpu.items()}
     for name, ms in per.items():
-        print(f"{name:>8}: {ms:.2f} ms client CPU per {EVENTS}-event stream")
-    print(f"   ratio: httpx costs {per['httpx'] / per['aiohttp']:.2f}x what aiohttp does")
+        print(f"{name:>13}: {ms:.2f} ms client CPU per {EVENTS}-event stream, {ms / per['spliced']:.2f}x spliced")
 
 
 def main() -> None:
