@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -48,10 +49,17 @@ def question(i: int, m: str) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     cluster = None
+    # the P/D stand-in's KV store grows by GBs in a run: both folders go at the end, as a test's tmp_path does
+    pd_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     if args.regional == "pd":
-        cluster = PDCluster(Path(tempfile.mkdtemp(prefix="bench-pd-")), served_name=MODEL)
+        cluster = PDCluster(pd_dir, served_name=MODEL)
         t = time.perf_counter()
-        cluster.wait_ready()
+        try:
+            cluster.wait_ready()
+        except BaseException:
+            cluster.stop()  # one server up and the other failed: leave no engine behind
+            shutil.rmtree(pd_dir, ignore_errors=True)
+            raise
         print(f"P/D stand-in ready in {time.perf_counter() - t:.0f}s: prefill {cluster.prefill.url}, "
               f"decode {cluster.decode.url}, sidecar {cluster.url}")
         recorder = RegionalRecorder(cluster.url)
@@ -119,6 +127,8 @@ async def main(args: argparse.Namespace) -> None:
         recorder.close()
         if cluster is not None:
             cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(pd_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
