@@ -44,10 +44,17 @@ rm -rf "$ctx" && mkdir -p "$ctx/appliance" "$ctx/venv"
 prefix="$("$py" -c 'import sys; print(sys.prefix)')"
 # The engine environment as installed: site-packages and the files packages put beside it (intel-openmp's
 # libraries in lib/, for one); without its scripts (their #! names this host's interpreter), this
-# checkout's editable install and byte-code caches.
-tar -C "$prefix" --exclude=./bin --exclude=./pyvenv.cfg --exclude=./lib64 --exclude=./.setup-stamp \
-    --exclude='__editable__*' --exclude='edge_appliance*' --exclude='__pycache__' -cf - . \
-    | tar -C "$ctx/venv" -xf -
+# checkout's editable install and byte-code caches. Hard-linked where it can be, not copied: it is ~4 GB,
+# and vfs makes its own full copies during the build (a copy here once ran a CI machine's disk out).
+# Nothing writes to these files; the chmod below only adds read bits they already have.
+if ! cp -al "$prefix/." "$ctx/venv/" 2>/dev/null; then
+    say "hard links refused (another filesystem?): copying the environment"
+    rm -rf "$ctx/venv" && mkdir "$ctx/venv"
+    tar -C "$prefix" -cf - . | tar -C "$ctx/venv" -xf -
+fi
+rm -rf "$ctx/venv/bin" "$ctx/venv/pyvenv.cfg" "$ctx/venv/lib64" "$ctx/venv/.setup-stamp"
+find "$ctx/venv" \( -name '__editable__*' -o -name 'edge_appliance*' -o -name '__pycache__' \) -prune \
+    -exec rm -rf {} +
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/wheel" "$repo"
 "$py" -m zipfile -e "$work/wheel"/edge_appliance-"$version"-py3-none-any.whl "$ctx/appliance"
 model="${MODEL:-$("$py" -c 'from appliance.default_model import default_model_dir; print(default_model_dir())')}"
