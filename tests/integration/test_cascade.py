@@ -402,7 +402,7 @@ def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):
 
 # -- the disaggregated regional cluster: prefill on one server, decode from the transferred KV on the other --
 
-# About 600 tokens with the chat template: four whole 128-token blocks to transfer, whatever the marker.
+# About 750 tokens with the chat template: five whole 128-token blocks (640 tokens) to transfer, whatever the marker.
 LONG_CONTEXT = " ".join(f"Record {i}: the pump in bay {i % 7} was checked and found in order." for i in range(40))
 
 
