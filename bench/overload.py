@@ -4,7 +4,7 @@
                              [--targets 1.5,3,6] [--mix 0.2,0.3,0.5]
 
 Two appliances, identical but for `[admission] enabled`, run side by side (started together, both
-warmed). The capacity is measured on each one's engine directly (its own port, closed loop at `capacity`
+warmed). The capacity is measured on each one's engine directly (its own socket, closed loop at `capacity`
 streams, no gateway, no admission), and the mean of the two sets the offered rate: `load` times it for
 `duration` seconds as open-loop Poisson arrivals, the requests drawn gold/silver/bronze by `mix` and
 sent with a key of that class. The runs go A/B/A (with, without, with admission) on the same arrival
@@ -29,6 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from appliance import keys
+from appliance.engine.args import ENGINE_BASE_URL
 from tests.support import RunningAppliance, start_appliance
 
 CLASSES = ("gold", "silver", "bronze")
@@ -98,15 +99,16 @@ async def one(client: httpx.AsyncClient, base_url: str, model: str, key: str, ma
 
 
 async def capacity_rps(app: RunningAppliance, streams: int, max_tokens: int, seconds: float) -> float:
-    """Requests per second the engine itself completes at `streams` concurrent streams (its own port)."""
+    """Requests per second the engine itself completes at `streams` concurrent streams (its own socket)."""
     done = 0
     deadline = time.perf_counter() + seconds
     key = engine_key(app)
-    async with httpx.AsyncClient(timeout=300) as client:
+    engine = httpx.AsyncHTTPTransport(uds=str(app.engine_socket))  # the engine listens on a private Unix socket
+    async with httpx.AsyncClient(timeout=300, transport=engine) as client:
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < deadline:
-                status, _ = await one(client, app.engine_url, app.served_name, key, max_tokens, 300)
+                status, _ = await one(client, ENGINE_BASE_URL, app.served_name, key, max_tokens, 300)
                 done += status == "ok"
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(streams)))
@@ -165,11 +167,11 @@ async def main(args: argparse.Namespace) -> None:
         for app, _ in apps.values():
             app.wait_ready(900)
         caps = {}
-        for tag, (app, _secrets) in apps.items():  # warm each engine, then measure it on its own port
+        for tag, (app, _secrets) in apps.items():  # warm each engine, then measure it on its own socket
             await capacity_rps(app, args.capacity, args.max_tokens, 3)
             caps[tag] = await capacity_rps(app, args.capacity, args.max_tokens, args.calibrate)
         rate = args.load * sum(caps.values()) / len(caps)
-        print(f"engine capacity (measured on each engine's own port) {caps['with']:.2f} and {caps['without']:.2f} "
+        print(f"engine capacity (measured on each engine's own socket) {caps['with']:.2f} and {caps['without']:.2f} "
               f"requests/s at {args.capacity} streams of {args.max_tokens} tokens; offering {rate:.2f}/s "
               f"({args.load:g}x their mean) for {args.duration:g}s per run, A/B/A", flush=True)
         runs: list[tuple[str, dict[str, ClassResult]]] = []
