@@ -31,7 +31,7 @@ async def race_disconnect(request: Request, work: Awaitable[Any],
     """Run `work` unless the client disconnects first; then cancel it, and `discard` a result that
     arrived anyway (an upstream response to close, an admission slot to give back)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(client_leaves(request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -46,12 +46,11 @@ async def race_disconnect(request: Request, work: Awaitable[Any],
         watcher.cancel()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def client_leaves(receive: Any) -> None:
+    """Returns when the client has gone (the request's ASGI receive says so)."""
     # The body has been read, so the next ASGI message can only be the disconnect.
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_or_leave(request: Request, upstream: Upstream) -> bytes:

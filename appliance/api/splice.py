@@ -24,6 +24,7 @@ from typing import Any
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
+from appliance.api.disconnect import client_leaves
 from appliance.api.engine_stream import EngineLinkError, EngineStream
 from appliance.api.http_protocol import ClientWriter
 from appliance.api.relay import EventFilter
@@ -81,7 +82,7 @@ class SplicedStream(StreamingResponse):
         if self._first:
             self._sink(self._first)
         end = self._upstream.splice(self._sink)  # broken off, or silent past the upstream timeout: an error
-        gone = asyncio.ensure_future(_client_leaves(receive))
+        gone = asyncio.ensure_future(client_leaves(receive))
         try:
             done, _ = await asyncio.wait({end, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -97,9 +98,3 @@ class SplicedStream(StreamingResponse):
         rest = events.rest()
         if rest:
             out.write(rest)
-
-
-async def _client_leaves(receive: Any) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass
