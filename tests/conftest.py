@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,7 @@ def pytest_runtest_makereport(item, call):
     _fail_skip_under_ci(report)
     if report.failed and RUNNING:
         report.sections.append(("machine", _machine_load()))
+        report.sections.append(("who had the CPUs", _cpu_shares()))
         report.sections.append(("this test process's other threads", other_threads()))
     if report.failed:
         for app in RUNNING:
@@ -83,6 +86,32 @@ def _machine_load() -> str:
         except OSError:
             pass
     return "\n".join(lines) or "(no load figures on this system)"
+
+
+def _cpu_shares() -> str:
+    """For this test process, each live appliance and their children: the CPU each has had and how long its
+    threads waited for one (the kernel's schedstat), since each started. A test process that waited minutes
+    for a CPU reads like an appliance that answered slowly; these figures tell the two apart."""
+    import psutil
+
+    procs = [psutil.Process()]
+    for app in RUNNING:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(app.proc.pid)
+            procs += [parent, *parent.children(recursive=True)]
+    lines = ["pid, what: seconds on a CPU / waiting for one (its threads alive now) / alive"]
+    for proc in procs:
+        try:
+            on, waited = 0, 0
+            for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                fields = (task / "schedstat").read_text().split()
+                on, waited = on + int(fields[0]), waited + int(fields[1])
+            name = " ".join(proc.cmdline()[:4])[:100]
+            alive = time.time() - proc.create_time()
+        except (OSError, ValueError, IndexError, psutil.Error):
+            continue  # gone meanwhile, or no schedstat on this kernel
+        lines.append(f"{proc.pid}, {name}: {on / 1e9:.1f} / {waited / 1e9:.1f} / {alive:.0f}")
+    return "\n".join(lines)
 
 
 @pytest.fixture(scope="session")
