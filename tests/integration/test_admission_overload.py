@@ -182,7 +182,7 @@ def _holding_a_slot(app: RunningAppliance, key: str, body: dict | None = None) -
             time.sleep(0.2)
         assert reader.chunks or not reader.is_alive(), \
             f"held stream: no first chunk after {FIRST_CHUNK_S}s (status {reader.status})\n{snapshot(app)}"
-        assert reader.status == 200 and reader.chunks, \
+        assert reader.status == 200 and reader.chunks and not reader.errors, \
             f"the held stream: {reader.status} {reader.errors} {reader.failure!r}"
         yield reader
         needed_until = reader.needed_until or time.monotonic()
