@@ -15,6 +15,7 @@ from tests.support import RUNNING, RunningAppliance, other_threads, sockets, sta
 pytest_plugins = ["pytester"]  # tests/unit/project/test_ci_runs_everything.py runs pytest on small test files
 
 DAEMON_LINES, ENGINE_LINES, DUMP_LINES = 60, 15, 400
+GLANCE_LINES, GLANCE_WIDTH = 25, 300  # of each failure's message, in the summary before FAILURES
 ENGINE_LOGGER = " appliance.engine.vllm: "  # the engine's own output, relayed: verbose, so fewer of its lines
 
 
@@ -65,6 +66,28 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"appliance {app.url}: state dump", _state_dump(app)))
         for server in pd_cluster.SERVERS:
             report.sections.append((f"regional vLLM {server.role}: {server.log_path}", server.log_tail(ENGINE_LINES)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session) -> None:
+    """Every failure's own message, a few lines each, before pytest's FAILURES section: that section puts
+    the first failure's logs and dumps ahead of the rest, and a CI summary that shows only the start of it
+    showed one failure of two, the other's message lost."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    failed = [] if reporter is None else reporter.stats.get("failed", []) + reporter.stats.get("error", [])
+    if not failed:
+        return
+    reporter.write("\n")  # the progress line has no newline of its own yet
+    reporter.write_sep("=", f"failures at a glance ({len(failed)}; each one's logs follow under FAILURES)")
+    for report in failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else str(report.longrepr)
+        reporter.write_line(f"{report.nodeid} ({report.when}):")
+        lines = message.splitlines()
+        for line in lines[:GLANCE_LINES]:
+            reporter.write_line(f"    {line[:GLANCE_WIDTH]}")
+        if len(lines) > GLANCE_LINES:
+            reporter.write_line(f"    ... {len(lines) - GLANCE_LINES} more lines under FAILURES")
 
 
 def _state_dump(app: RunningAppliance) -> str:
