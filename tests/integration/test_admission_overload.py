@@ -204,6 +204,14 @@ def _held_through(since: float, *readers: _Reader) -> None:
         reader.needed_until = since
 
 
+def _all_go_on_past(when: float, readers: tuple[_Reader, ...], timeout: float, explain) -> None:
+    """Wait until every held stream has a chunk after `when`: they held their slots through it, so they
+    may run out of tokens from then on (on a starved CI box the waits up to here once outlasted 3000)."""
+    wait_for(lambda: min(r.chunks[-1] for r in readers) > when, timeout,
+             what=f"all {len(readers)} held streams to go on after gold's answer", explain=explain)
+    _held_through(when, *readers)
+
+
 class _Steps:
     """When each step of a test began, for a failure message: which step the time went to."""
 
@@ -333,9 +341,7 @@ def test_gold_takes_its_lent_reserve_back_without_waiting_for_an_answer(small):
         wait_for(lambda: in_flight("silver") == 2, 60, what="silver to hold every slot", explain=explain)
         gold = _stream(app, secret["gold"], 4)
         assert gold["status"] == 200, gold
-        wait_for(lambda: min(first.chunks[-1], second.chunks[-1]) > gold["answered"], 30,
-                 what="both silver streams to go on after gold's answer", explain=explain)
-        _held_through(gold["answered"], first, second)
+        _all_go_on_past(gold["answered"], (first, second), 30, explain)
         gaps = sorted(b - a for a, b in zip(first.chunks, first.chunks[1:]) if a > gold["sent"] - 5)
     step = gaps[len(gaps) // 2]
     ttft = gold["first_token"] - gold["sent"]
@@ -376,11 +382,7 @@ def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small)
         # vLLM counts a preemption when the preempted request next produces output (its event rides on that
         # output), so the silver streams going on comes first; and the appliance re-exports the engine's
         # counters from its last look, every 2 s.
-        wait_for(lambda: min(first.chunks[-1], second.chunks[-1]) > gold.chunks[-1], 120,
-                 what="both silver streams to go on after gold's answer", explain=explain)
-        # From here on the test reads counters only: the silver streams may run out of tokens (on a starved
-        # CI box the waits up to here once outlasted their 3000 tokens, and the let-go came 10 s after).
-        _held_through(gold.chunks[-1], first, second)
+        _all_go_on_past(gold.chunks[-1], (first, second), 120, explain)  # from here on: counters only
         wait_for(lambda: preemptions() > before, 10, what=f"a preemption (vllm:num_preemptions_total was {before})",
                  explain=explain)
         after = preemptions()
