@@ -17,6 +17,7 @@ The test (tests/integration/test_fuzz.py) runs a bounded budget; bench/fuzz.py r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import sqlite3
@@ -28,29 +29,18 @@ from pathlib import Path
 
 import httpx
 import psutil
-from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from tests import loopback
-from tests.fuzz.requests import Probe, probes
+from tests.fuzz import isolated
+from tests.fuzz.requests import Probe
 
 REQUEST_ID_HEADER = "x-request-id"
 
 
 def draw_probes(count: int, run_seed: int, served: str, max_tokens: int, max_choices: int,
                 max_body_bytes: int) -> list[Probe]:
-    """`count` probes, the same ones for the same seed (Hypothesis generating, not testing: its
-    shrinking needs one request at a time, and the row-wiping bug only showed under concurrency)."""
-    drawn: list[Probe] = []
-
-    @seed(run_seed)
-    @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(probes(served, max_tokens, max_choices, max_body_bytes))
-    def collect(probe: Probe) -> None:
-        drawn.append(probe)
-
-    collect()
-    return drawn
+    """`count` probes, the same ones for the same seed wherever they are drawn (tests.fuzz.isolated)."""
+    return isolated.drawn("tests.fuzz.requests:generate", count, run_seed, served, max_tokens, max_choices, max_body_bytes)
 
 
 @dataclass
@@ -241,6 +231,7 @@ def rss_mib(pid: int) -> float:
 @dataclass
 class Report:
     seed: int
+    drawn: str  # a digest of the probes the seed drew: a rerun with the seed shows the same
     outcomes: list[Outcome]
     problems: list[str]
     rss: list[tuple[int, float]]  # (requests sent so far, daemon RSS MiB)
@@ -260,7 +251,7 @@ class Report:
         rss = ", ".join(f"{n}: {m:.1f}" for n, m in self.rss)
         faults = engine_faults(self.outcomes)
         shown = "".join(f"\n  {f[:600]}" for f in faults[:5])
-        return (f"seed {self.seed}: {len(self.outcomes)} requests in {self.seconds:.0f}s, "
+        return (f"seed {self.seed} (probes {self.drawn}): {len(self.outcomes)} requests in {self.seconds:.0f}s, "
                 f"{len(self.problems)} problems\n"
                 f"statuses: {dict(sorted(self.statuses().items(), key=str))}\n"
                 f"error codes: {dict(codes.most_common())}\n"
@@ -321,4 +312,5 @@ def run_campaign(app, count: int, run_seed: int, limits: Limits, concurrency: in
         at = tracebacks[0]
         problems.append(f"the daemon logged {len(tracebacks)} traceback(s); the first:\n"
                         f"{logged[max(0, at - 300):at + 1500]}")
-    return Report(run_seed, outcomes, problems, rss, time.monotonic() - t0)
+    digest = hashlib.sha256(repr(drawn).encode()).hexdigest()[:16]
+    return Report(run_seed, digest, outcomes, problems, rss, time.monotonic() - t0)

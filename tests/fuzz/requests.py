@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -197,3 +198,21 @@ def probes(draw: st.DrawFn, served: str, max_tokens: int, max_choices: int, max_
         name, value = draw(st.sampled_from(HEADER_NOISE))
         headers = [(k, v) for k, v in headers if k != name] + [(name, value)]
     return Probe("POST", route, tuple(headers), raw, False, f"{note}, body {how}")
+
+
+def generate(count: int, run_seed: int, served: str, max_tokens: int, max_choices: int,
+             max_body_bytes: int) -> list[Probe]:
+    """`count` probes for the seed (Hypothesis generating, not testing: its shrinking needs one request at a
+    time, and the row-wiping bug only showed under concurrency). Called in a process of its own
+    (tests.fuzz.isolated), which is what makes a seed repeat a run."""
+    drawn: list[Probe] = []
+
+    @seed(run_seed)
+    @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(probes(served, max_tokens, max_choices, max_body_bytes))
+    def collect(probe: Probe) -> None:
+        drawn.append(probe)
+
+    collect()
+    return drawn

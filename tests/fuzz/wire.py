@@ -18,6 +18,7 @@ import h11
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from tests.fuzz import isolated
 from tests.fuzz.requests import GENERATION_ROUTES
 
 # Mostly well-formed request lines, so the cases behind them (framing, bodies, stalls) are reached.
@@ -115,17 +116,23 @@ def wire_probes(draw: st.DrawFn) -> WireProbe:
 
 
 def draw_wire_probes(count: int, run_seed: int) -> list[WireProbe]:
-    drawn: list[WireProbe] = []
+    """`count` probes, the same ones for the same seed wherever they are drawn (tests.fuzz.isolated)."""
+    return isolated.drawn("tests.fuzz.wire:generate", count, run_seed)
+
+
+def generate(count: int, run_seed: int) -> list[WireProbe]:
+    """Hypothesis generating, not testing; called in a process of its own (tests.fuzz.isolated)."""
+    probes: list[WireProbe] = []
 
     @seed(run_seed)
     @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(wire_probes())
     def collect(p: WireProbe) -> None:
-        drawn.append(p)
+        probes.append(p)
 
     collect()
-    return drawn
+    return probes
 
 
 def _read_first_response(data: bytes, method: str) -> tuple[int, dict[str, str], bytes] | None:
