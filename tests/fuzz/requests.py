@@ -200,19 +200,23 @@ def probes(draw: st.DrawFn, served: str, max_tokens: int, max_choices: int, max_
     return Probe("POST", route, tuple(headers), raw, False, f"{note}, body {how}")
 
 
-def generate(count: int, run_seed: int, served: str, max_tokens: int, max_choices: int,
-             max_body_bytes: int) -> list[Probe]:
-    """`count` probes for the seed (Hypothesis generating, not testing: its shrinking needs one request at a
-    time, and the row-wiping bug only showed under concurrency). Called in a process of its own
-    (tests.fuzz.isolated), which is what makes a seed repeat a run."""
-    drawn: list[Probe] = []
+def examples(strategy: st.SearchStrategy, count: int, run_seed: int) -> list[Any]:
+    """`count` values of `strategy` for the seed (Hypothesis generating, not testing: its shrinking needs
+    one request at a time, and the row-wiping bug only showed under concurrency). For the generators
+    tests.fuzz.isolated runs in a process of their own, which is what makes a seed repeat a run."""
+    drawn: list[Any] = []
 
     @seed(run_seed)
     @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(probes(served, max_tokens, max_choices, max_body_bytes))
-    def collect(probe: Probe) -> None:
-        drawn.append(probe)
+    @given(strategy)
+    def collect(value: Any) -> None:
+        drawn.append(value)
 
     collect()
     return drawn
+
+
+def generate(count: int, run_seed: int, served: str, max_tokens: int, max_choices: int,
+             max_body_bytes: int) -> list[Probe]:
+    return examples(probes(served, max_tokens, max_choices, max_body_bytes), count, run_seed)

@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass
 
 import h11
-from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.fuzz import isolated
-from tests.fuzz.requests import GENERATION_ROUTES
+from tests.fuzz.requests import GENERATION_ROUTES, examples
 
 # Mostly well-formed request lines, so the cases behind them (framing, bodies, stalls) are reached.
 METHODS = ("GET", "GET", "POST", "POST", "POST", "PUT", "OPTIONS", "G ET", "", "\x00", "POST\t", "BREW")
@@ -121,18 +120,7 @@ def draw_wire_probes(count: int, run_seed: int) -> list[WireProbe]:
 
 
 def generate(count: int, run_seed: int) -> list[WireProbe]:
-    """Hypothesis generating, not testing; called in a process of its own (tests.fuzz.isolated)."""
-    probes: list[WireProbe] = []
-
-    @seed(run_seed)
-    @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(wire_probes())
-    def collect(p: WireProbe) -> None:
-        probes.append(p)
-
-    collect()
-    return probes
+    return examples(wire_probes(), count, run_seed)
 
 
 def _read_first_response(data: bytes, method: str) -> tuple[int, dict[str, str], bytes] | None:
