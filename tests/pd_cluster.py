@@ -64,32 +64,42 @@ SERVERS: list[VllmServer] = []  # the live ones: a failed test's report carries 
 class VllmServer:
     """One real vLLM OpenAI server on 127.0.0.1 (a cluster pod), its log in a file."""
 
+    COMMAND: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
     def __init__(self, directory: Path, role: str, storage: Path, served_name: str,
                  kv_cache_bytes: int = 512 << 20, extra_args: tuple[str, ...] = ()) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.role = role
-        self.port = free_port()
         self.log_path = directory / f"vllm-{role}.log"
         transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_path()),
-                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_cache_bytes),
-                "--enforce-eager", "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(transfer),
-                *extra_args]
+        self._args = ["--model", str(default_model_path()), "--served-model-name", served_name,
+                      "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+                      "--enforce-eager", "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(transfer),
+                      *extra_args]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (written by the child until stop())
+        self._spawn()
+        SERVERS.append(self)
+
+    def _spawn(self) -> None:
+        self.port = free_port()
+        self._log.flush()
+        self._log_start = self.log_path.stat().st_size  # where this start's log begins
+        argv = [*self.COMMAND, "--host", "127.0.0.1", "--port", str(self.port), *self._args]
         # the appliance's own engine environment: offline, its ZeroMQ sockets in a folder of its own
         env = engine_env(os.environ, shared_engine_cache(), Path(tempfile.mkdtemp(prefix="pd-")))
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (written by the child until stop())
         # A session of its own, so stop() takes vLLM's engine-core child with it.
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        SERVERS.append(self)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 600) -> None:
+    def wait_ready(self, timeout: float = 600, port_retries: int = 2) -> None:
+        """Ready, or an AssertionError with its log. Its port is picked before vLLM binds it, tens of seconds
+        later, and another process may bind it first (free_port keeps only this process's own servers
+        apart): vLLM then exits with EADDRINUSE, and is started again on another port."""
         def up() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"vLLM {self.role} exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -97,7 +107,17 @@ class VllmServer:
                 return loopback.get(f"{self.url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
-        wait_for(up, timeout, interval=1, what=f"vLLM {self.role} on {self.url}", explain=self.log_tail)
+        for retry in range(port_retries + 1):
+            try:
+                wait_for(up, timeout, interval=1, what=f"vLLM {self.role} on {self.url}", explain=self.log_tail)
+                return
+            except AssertionError:
+                this_start = self.log_path.read_bytes()[self._log_start:]
+                if retry == port_retries or self.proc.poll() is None or b"Address already in use" not in this_start:
+                    raise
+                self._log.write(f"\n*** port {self.port} was taken; starting again on another ***\n".encode())
+                self._log.flush()
+                self._spawn()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -152,11 +172,11 @@ class PDSidecar:
         self.hops: list[Hop] = []
         self._lock = threading.Lock()
         self._client: httpx.AsyncClient | None = None
-        self.port = free_port()
         app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
                                 Route("/v1/completions", self._complete, methods=["POST"]),
                                 Route("/v1/models", self._models, methods=["GET"])])
-        self._server = serve_in_thread(app, self.port)
+        self._server = serve_in_thread(app)
+        self.port = self._server.port
 
     @property
     def url(self) -> str:
@@ -244,6 +264,8 @@ class PDCluster:
     def wait_ready(self) -> None:
         self.prefill.wait_ready()
         self.decode.wait_ready()
+        # a pod that had to start again on another port (VllmServer.wait_ready) is found there
+        self.sidecar.prefill_url, self.sidecar.decode_url = self.prefill.url, self.decode.url
 
     @property
     def url(self) -> str:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tests import loopback
-from tests.support import free_port, serve_in_thread
+from tests.support import serve_in_thread
 
 LinkMode = Literal["pass", "cut", "blackhole", "slow"]
 CANNED = {"id": "canned", "object": "chat.completion", "created": 0, "model": "regional",
@@ -58,10 +58,10 @@ class FaultInjector:
         self.target_port = target_port
         self.mode: LinkMode = "pass"
         self.delay_s = 2.0
-        self.port = free_port()
         self._loop = _Loop()
         self._conns: set[asyncio.StreamWriter] = set()
-        self._server = self._loop.run(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._server = self._loop.run(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port: int = self._server.sockets[0].getsockname()[1]
 
     def set(self, mode: LinkMode, delay_s: float | None = None) -> None:
         self.mode = mode
@@ -152,11 +152,11 @@ class RegionalRecorder:
         self._answers: dict[str, dict] = {}
         self._key_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._lock = threading.Lock()
-        self.port = free_port()
         app = Starlette(routes=[Route("/v1/chat/completions", self._complete, methods=["POST"]),
                                 Route("/v1/completions", self._complete, methods=["POST"]),
                                 Route("/v1/models", self._models, methods=["GET"])])
-        self._server = serve_in_thread(app, self.port)
+        self._server = serve_in_thread(app)
+        self.port = self._server.port
         self._client: httpx.AsyncClient | None = None
 
     def _authorised(self, request: Request) -> bool:

@@ -51,23 +51,31 @@ class ThreadedServer:
     """An ASGI app served by uvicorn on 127.0.0.1 in a daemon thread (the tests' stand-in servers)."""
     server: uvicorn.Server
     thread: threading.Thread
+    port: int
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
 
 
-def serve_in_thread(app, port: int, **config) -> ThreadedServer:
-    """`app` served on 127.0.0.1:`port`, listening when this returns; `config` goes to uvicorn.Config."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+def serve_in_thread(app, port: int = 0, **config) -> ThreadedServer:
+    """`app` served on 127.0.0.1:`port`, listening when this returns; `config` goes to uvicorn.Config.
+
+    The socket is bound here and handed to uvicorn, so with port 0 the kernel's pick is held from the start:
+    no other server of the session can be given the same port before this one listens (see free_port)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=bound, lifespan="off",
                                            **{"log_level": "warning", **config}))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.started, f"uvicorn did not start on port {port}"
-    return ThreadedServer(server, thread)
+    assert server.started, f"uvicorn did not start on port {bound}"
+    return ThreadedServer(server, thread, bound)
 
 
 async def asgi_body(receive) -> bytes:
@@ -80,10 +88,32 @@ async def asgi_body(receive) -> bytes:
             return body
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a server another process will bind later (vLLM, the appliance).
+
+    Never one this process handed out before: between this call and that server's bind (vLLM takes tens of
+    seconds) the port is free again, and the kernel may pick it for the next caller. CI once gave a regional
+    vLLM and the fault injector the same port, and vLLM died with EADDRINUSE. A server in this process
+    should bind port 0 itself instead (serve_in_thread, asyncio.start_server), which leaves no window."""
+    held: list[socket.socket] = []  # rejected picks stay bound until the end, so the kernel moves on
+    try:
+        with _HANDED_OUT_LOCK:
+            for _ in range(1000):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+                if port not in _HANDED_OUT:
+                    _HANDED_OUT.add(port)
+                    return port
+        raise RuntimeError("no port left that this test process has not handed out already")
+    finally:
+        for s in held:
+            s.close()
 
 
 def default_model_path() -> Path:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from appliance.config import load
 from appliance.startup import runtime_problems
 from cascade.regional import LinkDown, RegionalClient, RegionalSettings, TLSFileError, tls_verify
-from tests.support import free_port, serve_in_thread
+from tests.support import serve_in_thread
 
 ANSWER = {"id": "x", "object": "chat.completion", "model": "regional",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
@@ -28,7 +28,6 @@ class TLSServer:
         server_cert = ca.issue_cert("127.0.0.1", "localhost")
         server_cert.private_key_and_cert_chain_pem.write_to_path(str(d / "server.pem"))
         ca.cert_pem.write_to_path(str(d / "client-ca.pem"))  # the same CA signs the clients it accepts
-        self.port = free_port()
         self.seen: list[str] = []
 
         async def complete(request: Request) -> JSONResponse:
@@ -36,8 +35,9 @@ class TLSServer:
             return JSONResponse(ANSWER)
 
         app = Starlette(routes=[Route("/v1/chat/completions", complete, methods=["POST"])])
-        self.server = serve_in_thread(app, self.port, log_level="error", ssl_certfile=str(d / "server.pem"),
+        self.server = serve_in_thread(app, log_level="error", ssl_certfile=str(d / "server.pem"),
                                       ssl_ca_certs=str(d / "client-ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.port = self.server.port
 
     def close(self) -> None:
         self.server.stop()

@@ -25,7 +25,6 @@ class Pod:
     def __init__(self, status: int = 200) -> None:
         self.status = status
         self.got: list[dict] = []
-        self.port = free_port()
 
         async def complete(request: Request) -> Response:
             body = await request.json()
@@ -35,8 +34,8 @@ class Pod:
             return JSONResponse({"choices": [{"message": {"content": "hi"}}], "usage": {"prompt_tokens": 300}},
                                 status_code=self.status)
 
-        self.server = serve_in_thread(Starlette(routes=[Route("/v1/chat/completions", complete, methods=["POST"])]),
-                                      self.port)
+        self.server = serve_in_thread(Starlette(routes=[Route("/v1/chat/completions", complete, methods=["POST"])]))
+        self.port = self.server.port
 
     @property
     def url(self) -> str:
