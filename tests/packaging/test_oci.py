@@ -92,24 +92,30 @@ def test_image_validates_and_carries_its_labels(image: Image):
     assert cfg["config"]["User"] == "appliance" and "/var/lib/appliance" in cfg["config"]["Volumes"]
 
 
-def test_umoci_unpacks_the_pinned_model_lock_and_sbom(image: Image, tmp_path: Path):
-    bundle = tmp_path / "bundle"
+@pytest.fixture(scope="module")
+def rootfs(image: Image, tmp_path_factory):
+    """The image unpacked by umoci: its files, read without starting a container (with vfs, each container
+    is a whole copy of the image)."""
+    bundle = tmp_path_factory.mktemp("umoci") / "bundle"
     r = subprocess.run(["umoci", "unpack", "--image", f"{image.layout}:{image.ref}", str(bundle)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    root = bundle / "rootfs"
-    labels = image.config()["config"]["Labels"]
-    conf = (root / "etc/appliance/appliance.toml").read_text()
-    assert f'digest = "{labels["io.edge-appliance.model.digest"]}"' in conf and 'verify = "fail"' in conf
-    lock = json.loads((root / "etc/appliance/kernel-lock.json").read_text())
-    assert lock["digest"] == labels["io.edge-appliance.kernel-lock.digest"]
-    sbom = (root / "usr/share/edge-appliance/sbom.cdx.json").read_bytes()
-    assert "sha256:" + hashlib.sha256(sbom).hexdigest() == labels["io.edge-appliance.sbom.digest"]
-    assert (root / "opt/models/default/config.json").is_file()
+    yield bundle / "rootfs"
     shutil.rmtree(bundle, ignore_errors=True)
 
 
-def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: Path):
+def test_umoci_unpacks_the_pinned_model_lock_and_sbom(image: Image, rootfs: Path):
+    labels = image.config()["config"]["Labels"]
+    conf = (rootfs / "etc/appliance/appliance.toml").read_text()
+    assert f'digest = "{labels["io.edge-appliance.model.digest"]}"' in conf and 'verify = "fail"' in conf
+    lock = json.loads((rootfs / "etc/appliance/kernel-lock.json").read_text())
+    assert lock["digest"] == labels["io.edge-appliance.kernel-lock.digest"]
+    sbom = (rootfs / "usr/share/edge-appliance/sbom.cdx.json").read_bytes()
+    assert "sha256:" + hashlib.sha256(sbom).hexdigest() == labels["io.edge-appliance.sbom.digest"]
+    assert (rootfs / "opt/models/default/config.json").is_file()
+
+
+def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, rootfs: Path, tmp_path: Path):
     state = tmp_path / "state"
     state.mkdir()
     _, secret = keys.create(state / "appliance.db", "podman-test")
@@ -117,7 +123,9 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: 
         os.chown(p, 10001, 10001)  # the image's appliance user owns its volume
     port = free_port()
     conf = tmp_path / "appliance.toml"
-    conf.write_text(_image_config_with_port(image, port))
+    shipped = (rootfs / "etc/appliance/appliance.toml").read_text()  # the image's own, on another port
+    assert "port = 8000" in shipped, shipped
+    conf.write_text(shipped.replace("port = 8000", f"port = {port}"))
     name = f"appliance-test-{port}"
     r = image.run("-d", "--name", name, "--network", "host", "--shm-size", "1g", "-v", f"{state}:/var/lib/appliance",
                      "-v", f"{conf}:/etc/appliance/appliance.toml:ro", image.tag, timeout=600)
@@ -145,12 +153,6 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, tmp_path: 
     finally:
         image.podman("stop", "-t", "30", name, timeout=120)
         image.podman("rm", "-f", name, timeout=120)
-
-
-def _image_config_with_port(image: Image, port: int) -> str:
-    r = image.run("--rm", "--entrypoint", "cat", image.tag, "/etc/appliance/appliance.toml", timeout=600)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.replace("port = 8000", f"port = {port}")
 
 
 def test_an_altered_layer_fails_validation(image: Image):
