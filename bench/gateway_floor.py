@@ -19,6 +19,9 @@ fronts relay it, rounds interleaved:
              not a dependency): does another server layer lower the cost? (bench/granian_targets.py)
 Prints each front's CPU per request (user + system, the front's process only), its ratio to nginx's,
 and the gap between the appliance and the splice floor: what the gateway's own features cost per stream.
+Each front's idle CPU (the appliance's metrics polling, watchdog and loop monitor; a server's timers) is
+measured for --idle seconds first and taken out of its figures, as gateway_overhead.py does; the figures
+with it are printed too.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=EVENTS,
                     help="events per answer; --events 1 leaves mostly the per-request cost")
     ap.add_argument("--granian", action="store_true", help="also serve the relay and the appliance with granian")
+    ap.add_argument("--idle", type=float, default=10, help="seconds each front's idle CPU is measured over")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-floor-"))
     # The stand-in listens where the appliance's configuration puts the engine's socket, as the real one does.
@@ -181,23 +185,34 @@ def main() -> None:
     try:
         for port, _ in fronts.values():
             wait_listening(port)
+        for port, _ in fronts.values():  # warm before the idle reading: connections open, code paths hot
+            asyncio.run(load(port, 20, args.concurrency, args.events))
+        idle_before = {name: cpu(procs) for name, (_, procs) in fronts.items()}
+        t0 = time.perf_counter()
+        time.sleep(args.idle)
+        idle_ms_per_s = {name: 1e3 * (cpu(procs) - idle_before[name]) / (time.perf_counter() - t0)
+                         for name, (_, procs) in fronts.items()}
         per_request: dict[str, list[float]] = {name: [] for name in fronts}
+        with_idle: dict[str, list[float]] = {name: [] for name in fronts}
         for rnd in range(args.rounds):
             order = list(fronts) if rnd % 2 == 0 else list(reversed(fronts))
             for name in order:
                 port, procs = fronts[name]
                 asyncio.run(load(port, 20, args.concurrency, args.events))  # warm: connections open, code paths hot
-                before = cpu(procs)
+                before, t0 = cpu(procs), time.perf_counter()
                 failed = asyncio.run(load(port, args.requests, args.concurrency, args.events))
                 if failed:
                     raise SystemExit(f"{name}: {failed} of {args.requests} streams failed or came short")
-                per_request[name].append((cpu(procs) - before) / args.requests * 1000)
+                spent_ms, wall = 1e3 * (cpu(procs) - before), time.perf_counter() - t0
+                with_idle[name].append(spent_ms / args.requests)
+                per_request[name].append((spent_ms - idle_ms_per_s[name] * wall) / args.requests)
         print(f"CPU per streamed request ({args.events} events, {args.concurrency} streams, {args.rounds} rounds "
-              f"of {args.requests}; median of rounds)")
+              f"of {args.requests}; median of rounds; idle CPU taken out)")
         med = {n: sorted(v)[len(v) // 2] for n, v in per_request.items()}
         for name, v in per_request.items():
             vs = f"  {med[name] / med['nginx']:.2f}x nginx" if "nginx" in med else ""
-            print(f"  {name:10} {med[name]:6.2f} ms   rounds {', '.join(f'{x:.2f}' for x in v)}{vs}")
+            print(f"  {name:10} {med[name]:6.2f} ms   rounds {', '.join(f'{x:.2f}' for x in v)}{vs}   "
+                  f"(idle {idle_ms_per_s[name]:.1f} ms/s; with it {sorted(with_idle[name])[len(v) // 2]:.2f} ms)")
         print(f"  the gateway's own features cost {med['appliance'] - med['splice']:.2f} ms per stream over the "
               f"least relay its way (splice); the least ASGI relay costs {med['relay'] - med['splice']:.2f} ms more "
               "than that")
