@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 
 from appliance.api.http_protocol import GuardedHttpProtocol
-from tests.support import asgi_body, free_port, serve_in_thread
+from tests.support import asgi_body, serve_in_thread
 from tests.unit.appliance.api.inprocess import serving
 
 LIMITS = {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "max_connections": 3, "retry_after_s": 7}
@@ -27,10 +27,9 @@ async def echo(scope, receive, send) -> None:
 
 @contextmanager
 def server(app=echo, **limits) -> Iterator[int]:
-    port = free_port()
-    running = serve_in_thread(app, port, http=GuardedHttpProtocol.configured(**{**LIMITS, **limits}))
+    running = serve_in_thread(app, http=GuardedHttpProtocol.configured(**{**LIMITS, **limits}))
     try:
-        yield port
+        yield running.port
     finally:
         running.stop()
 

@@ -28,7 +28,7 @@ from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
 from tests import loopback
-from tests.support import free_port, serve_in_thread, short_private_dir
+from tests.support import serve_in_thread, short_private_dir
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -122,11 +122,10 @@ def gateway_on(tmp_path: Path, script: Script, timeout_s: float = 5.0) -> Iterat
     gw.supervisor.launch = build_launch(cfg, [], "k")
     gw.supervisor.status.state = EngineState.READY
     app = create_app(gw, verifier=keys.KeyVerifier(cfg.database_path, ttl_s=5), keys_required=False)
-    port = free_port()
-    running = serve_in_thread(app, port, http=GuardedHttpProtocol.configured(
+    running = serve_in_thread(app, http=GuardedHttpProtocol.configured(
         header_timeout_s=5, body_timeout_s=5, max_connections=64, retry_after_s=1))
     try:
-        yield port, engine, gw, cfg.database_path
+        yield running.port, engine, gw, cfg.database_path
     finally:
         running.stop()
         engine.stop()
