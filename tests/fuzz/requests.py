@@ -66,6 +66,13 @@ def _sampling(max_tokens: int, max_choices: int) -> dict[str, st.SearchStrategy[
     }
 
 
+def prompt_texts() -> st.SearchStrategy[str]:
+    """An ordinary completion prompt: any text with at least one printable character. Control characters
+    alone can tokenize to nothing (the embedded model's tokenizer drops 0x04, 0x06, 0x13, 0x14, 0x16 and
+    0x1d), and vLLM rightly refuses an empty prompt with a 400; such prompts are the hostile probes'."""
+    return st.text(min_size=1, max_size=200).filter(lambda s: any(c.isprintable() for c in s))
+
+
 @st.composite
 def well_formed(draw: st.DrawFn, route: str, served: str, max_tokens: int, max_choices: int) -> dict[str, Any]:
     """An ordinary request: what an OpenAI client would send, in every combination vLLM accepts."""
@@ -73,7 +80,7 @@ def well_formed(draw: st.DrawFn, route: str, served: str, max_tokens: int, max_c
     if route == "/v1/chat/completions":
         required = {"model": st.just(served), "messages": st.lists(_message(), min_size=1, max_size=3)}
     else:
-        prompt = st.one_of(st.text(min_size=1, max_size=200), st.lists(st.integers(1, 1000), min_size=1, max_size=20))
+        prompt = st.one_of(prompt_texts(), st.lists(st.integers(1, 1000), min_size=1, max_size=20))
         required = {"model": st.just(served), "prompt": prompt}
         optional |= {"logprobs": st.integers(0, 5), "echo": st.booleans()}
     body = draw(st.fixed_dictionaries(required, optional=optional))
