@@ -46,9 +46,9 @@ from appliance import config  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
-from bench.granian_targets import relay_app  # noqa: E402
+from bench.least_fronts import least_relay, least_splice, wait_listening  # noqa: E402
 from bench.stand_in import serve_sse  # noqa: E402
-from tests.support import asgi_body, free_port  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 EVENTS = 64
 EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
@@ -59,41 +59,6 @@ USAGE = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1
 
 def stand_in_engine(path: str, events: int = EVENTS) -> None:
     serve_sse(path, "/v1/chat/completions", EVENT, events, 0.01, USAGE + b"data: [DONE]\n\n")
-
-
-def least_relay(port: int, engine_socket: str) -> None:
-    import uvicorn
-    import uvloop
-
-    server = uvicorn.Server(uvicorn.Config(relay_app(engine_socket), host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="off"))
-    uvloop.run(server.serve())
-
-
-def least_splice(port: int, engine_socket: str) -> None:
-    """The least relay the appliance's way (appliance.api.splice): the engine leg is EngineStream, each
-    chunk written by the ClientWriter the daemon's connection layer puts in the scope; nothing else."""
-    import uvicorn
-    import uvloop
-
-    from appliance import config
-    from appliance.api.engine_stream import EngineStream
-    from appliance.api.http_protocol import CLIENT_WRITER
-    from appliance.daemon import server_config
-
-    async def app(scope: dict, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        body = await asgi_body(receive)
-        up = await EngineStream.open(Path(engine_socket), scope["path"], body, {"Content-Type": "application/json"},
-                                     connect_s=5, idle_s=60)
-        await send({"type": "http.response.start", "status": up.status_code,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        await up.splice(scope["extensions"][CLIENT_WRITER].write)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    server = config.ServerSection(host="127.0.0.1", port=port)
-    uvloop.run(uvicorn.Server(server_config(app, server)).serve())
 
 
 def appliance_gateway(port: int, tmp: str) -> None:
@@ -134,19 +99,6 @@ async def load(port: int, requests: int, concurrency: int, expect: int = EVENTS)
 
         await asyncio.gather(*(one() for _ in range(requests)))
     return failed
-
-
-def wait_listening(port: int) -> None:
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"nothing listens on port {port}")
 
 
 def main() -> None:
