@@ -59,6 +59,7 @@ from tests.support import (  # noqa: E402
 PROMPTS = ["Hello!", "Name a colour.", "What is 2+2?", "Say something nice.", "Capital of Italy?"]
 NGINX = Path("/usr/sbin/nginx")
 CLASSES = ("gold", "silver", "bronze")
+CPU_GOAL_MS = 2.0  # issue 13: gateway CPU per streamed request, idle taken out
 
 
 @dataclass
@@ -290,7 +291,8 @@ async def run(args: argparse.Namespace) -> None:
                     cpu_ms = 1e3 * s.cpu / s.requests
                     beside = "".join(f", {n} {busy[n]:.2f}" for n in ("floor", "nginx") if n in busy)
                     verdicts.append(_goal(f"{conc:>2} streams: gateway CPU {busy[name]:.2f} ms per request "
-                                          f"({cpu_ms:.2f} with the idle cost{beside}) <= 2 ms", busy[name] <= 2.0))
+                                          f"({cpu_ms:.2f} with the idle cost{beside}) <= {CPU_GOAL_MS:g} ms",
+                                          busy[name] <= CPU_GOAL_MS))
                     floors.append(busy["floor"])
                     if conc == 1:
                         verdicts.append(_goal(f" 1 stream: p50 TTFT {p50:+.2f} ms <= +1 ms", p50 <= 1.0))
@@ -298,11 +300,11 @@ async def run(args: argparse.Namespace) -> None:
         print("goals (single-class traffic, the default configuration):")
         for v in verdicts:
             print("  " + v)
-        above = [f"{c} stream{'s' if c != 1 else ''}" for c, f in zip(args.levels, floors, strict=True) if f > 2.0]
+        above = [f"{c} stream{'s' if c != 1 else ''}" for c, f in zip(args.levels, floors, strict=True) if f > CPU_GOAL_MS]
         print(f"the least Python relay the appliance's way (floor) cost {', '.join(f'{f:.2f}' for f in floors)} ms per "
               f"request at {', '.join(map(str, args.levels))} streams: "
-              + (f"above the 2 ms goal at {', '.join(above)}, with none of the gateway's features" if above
-                 else "within the 2 ms goal at every level"))
+              + (f"above the {CPU_GOAL_MS:g} ms goal at {', '.join(above)}, with none of the gateway's features" if above
+                 else f"within the {CPU_GOAL_MS:g} ms goal at every level"))
         await session.close()
         await direct.close()
     finally:
