@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from appliance import config, keys  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
+from bench.least_fronts import least_splice, wait_listening  # noqa: E402
 from tests.support import (  # noqa: E402
     default_model_path,
     free_port,
@@ -170,15 +170,12 @@ http {{
 }}
 """)
     proc = subprocess.Popen([str(NGINX), "-c", str(conf), "-p", str(tmp / "nginx")])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
-                return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"nginx did not start: {(tmp / 'nginx' / 'error.log').read_text()}")
+    try:
+        wait_listening(port, 10)
+    except SystemExit:
+        proc.kill()
+        raise SystemExit(f"nginx did not start: {(tmp / 'nginx' / 'error.log').read_text()}") from None
+    return proc, port
 
 
 def default_config(tmp: Path) -> Path:
@@ -220,8 +217,6 @@ async def run(args: argparse.Namespace) -> None:
                                [psutil.Process(nginx.pid)]))
         else:
             print(f"nginx: {NGINX} not found (apt-get install nginx-light); that path is left out")
-        from bench.least_fronts import least_splice, wait_listening  # here: it imports what imports this module
-
         floor_port = free_port()
         floor = multiprocessing.Process(target=least_splice, args=(floor_port, str(app.engine_socket)), daemon=True)
         floor.start()

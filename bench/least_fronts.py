@@ -12,11 +12,10 @@ gateway against.
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 from bench.granian_targets import relay_app
-from tests.support import asgi_body
+from tests.support import asgi_body, wait_for
 
 
 def least_relay(port: int, engine_socket: str) -> None:
@@ -57,12 +56,17 @@ def least_splice(port: int, engine_socket: str) -> None:
     uvloop.run(uvicorn.Server(server_config(app, server)).serve())
 
 
-def wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), 0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"nothing listens on port {port}")
+def accepts(port: int) -> bool:
+    """Whether something accepts a connection on 127.0.0.1:port now."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_listening(port: int, timeout_s: float = 60) -> None:
+    try:
+        wait_for(lambda: accepts(port), timeout_s, 0.1, what=f"a listener on port {port}")
+    except AssertionError:
+        raise SystemExit(f"nothing listens on port {port}") from None
