@@ -7,6 +7,7 @@ from pathlib import Path
 
 from appliance.config import Config
 from kvbudget import probe
+from kvbudget.cpu import host_isa
 from kvbudget.gpu import Discovery, discover
 from kvbudget.model import ModelError, ModelShape
 from kvbudget.model_files import read_draft, read_model
@@ -52,8 +53,11 @@ def with_draft(targets: Targets, draft: Path | None) -> Targets:
 
 
 def device_for(gpu: GpuProfile | None, platform: Platform, discovered: bool) -> probe.Device:
-    """This machine's platform for the CPU backend or a GPU found here; else the named card, emulated."""
-    if platform.kind == "cpu" or discovered or gpu is None:
+    """This machine's platform for a GPU found here or the CPU backend of this host's instruction set;
+    else the named card or CPU level, emulated."""
+    if platform.kind == "cpu":
+        return probe.THIS_MACHINE if platform.cpu_isa == host_isa() else probe.cpu_host(platform.cpu_isa)
+    if discovered or gpu is None:
         return probe.THIS_MACHINE
     return probe.Device("cuda", gpu.compute_capability, gpu.name, gpu.memory_bytes)
 
@@ -111,7 +115,7 @@ def _kvbudget_plan(cfg: Config, model: ModelShape, targets: Targets, discovery: 
             f"no GPU found ({discovery.error}); on the CPU backend set engine.kv_cache_memory_bytes "
             "(for example \"1GiB\") so the KV pool is explicit"
         )
-    return make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager),
+    return make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager, cpu_isa=host_isa()),
                      kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
 
 

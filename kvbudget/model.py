@@ -82,6 +82,7 @@ class ModelShape:
     quantization: str | None = None
     weight_bits: float | None = None
     mtp_layers: int = 0
+    weight_format: str = ""  # "method/algo/format[+block]" of the quantization config ("" when unquantized)
     weight_bytes: int = 0
     weight_bytes_exact: bool = False
     notes: tuple[str, ...] = field(default=())
@@ -253,6 +254,16 @@ def _mamba2(t: dict[str, Any], hidden: int, dtype_bytes: int) -> Mamba2State:
     )
 
 
+def _weight_format(cfg: dict[str, Any]) -> str:
+    """The checkpoint's quantization as "method/algo/format[+block]" in lower case ("" when unquantized):
+    what chooses a weight kernel (kvbudget.cpu.weight_kernel_refusal)."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return ""
+    parts = [str(q[k]).lower() for k in ("quant_method", "quant_algo", "format") if q.get(k)]
+    return "/".join(parts) + ("+block" if q.get("weight_block_size") else "")
+
+
 def _quantization(cfg: dict[str, Any]) -> tuple[str | None, float | None]:
     q = cfg.get("quantization_config")
     if not isinstance(q, dict):
@@ -333,6 +344,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         tie_word_embeddings=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         quantization=quant,
         weight_bits=bits,
+        weight_format=_weight_format(t),
         mtp_layers=int(t.get("mtp_num_hidden_layers") or t.get("num_nextn_predict_layers") or 0),
     )
     return replace(shape, weight_bytes=estimate_weight_bytes(shape), weight_bytes_exact=False,

@@ -17,6 +17,7 @@ from kvbudget.accounting import (
     KvDtype,
     KvLayout,
 )
+from kvbudget.cpu import CpuIsa
 from kvbudget.model import ModelShape
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import GpuProfile
@@ -49,6 +50,9 @@ class Platform:
     gpu_count: int = 1
     gpu_memory_utilization: float = 0.92  # vLLM's default: what it holds back is headroom
     enforce_eager: bool = False
+    # The CPU backend's host (kvbudget.cpu): what vLLM's CPU platform runs there. The planning shells read
+    # it from the host; avx2, the level every x86-64 build runs on, is the default for a bare Platform.
+    cpu_isa: CpuIsa = "avx2"
 
     @property
     def block_size(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvbudget import cpu
 from kvbudget.accounting import (
     EngineShape,
     KvDtype,
@@ -41,11 +42,20 @@ CUDA_GRAPH_BYTES = 512 << 20  # vLLM's CUDA-graph pool for the default capture s
 # -- the pieces -----------------------------------------------------------------------------
 
 
-def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform) -> tuple[KvDtype, str | None]:
+def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform,
+                    model: ModelShape) -> tuple[KvDtype, str | None]:
     want = targets.kv_dtype
     if platform.kind == "cpu":
+        # "auto" keeps the model's dtype on the CPU: FP8 KV is the operator's choice there (targets.kv_dtype).
         if want in ("fp8", "fp4"):
-            return "auto", f"{want} KV cache is not available on the CPU backend (it needs AVX-512/AMX); using the model dtype"
+            refusal = cpu.kv_dtype_refusal(want, model.head_dim, bool(model.mla_latent_dim), platform.cpu_isa)
+            if refusal:
+                return "auto", f"{refusal}; using the model dtype"
+            return want, None
+        if want == "auto" and cpu.kv_dtype_refusal("fp8", model.head_dim, bool(model.mla_latent_dim),
+                                                   platform.cpu_isa) is None:
+            return "auto", (f"FP8 KV cache is available on this {platform.cpu_isa} host: targets.kv_dtype = \"fp8\" "
+                            "holds twice the tokens in the same pool")
         return "auto", None
     if want == "auto":
         return ("fp8", None) if gpu.fp8 else ("auto", f"{gpu.name} has no FP8 (compute capability below 8.9): KV stays in the model dtype")
@@ -94,7 +104,7 @@ def attention_block_size(model: ModelShape, gpu: GpuProfile, platform: Platform,
     hybrid alignment). Mirrors which backend vLLM picks; the vLLM probe checks it against vLLM's own choice."""
     if model.mla_latent_dim:
         if platform.kind == "cpu":
-            return 16  # CPU_MLA takes exactly 16
+            return cpu.mla_block_size(platform.cpu_isa)  # AMX_MLA 128, the reference CPU_MLA exactly 16
         if kv_dtype == "fp8" and gpu.compute_capability[0] == 9:
             return 64  # FlashMLA, vLLM's first choice for an FP8 latent cache on Hopper
         return 16
@@ -163,11 +173,16 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     findings: list[Finding] = []
     tp, dcp, par_notes = parallelism(model, platform)
     notes += par_notes
-    if platform.kind == "cpu" and model.mla_latent_dim and targets.prefix_caching:
-        # vLLM's CPU platform forces both off for MLA models (CpuPlatform.check_and_update_config).
-        targets = replace(targets, prefix_caching=False)
-        notes.append("vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models")
-    kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform)
+    if platform.kind == "cpu":
+        refusal = cpu.weight_kernel_refusal(model.weight_format, platform.cpu_isa)
+        if refusal:
+            raise PlanError(f"{model.name} cannot run on this CPU: {refusal}")
+        if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.cpu_isa):
+            # vLLM's CPU platform forces both off for MLA models without AMX (CpuPlatform.check_and_update_config).
+            targets = replace(targets, prefix_caching=False)
+            notes.append(f"vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models "
+                         f"on a {platform.cpu_isa} host (AMX_MLA keeps them)")
+    kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform, model)
     if dtype_note:
         notes.append(dtype_note)
 
@@ -202,8 +217,8 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
             tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
             draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
             max_concurrent_batches=1 if platform.kind == "cpu" else 2,
-            # vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
-            ssm_dtype_bytes=4 if platform.kind == "cpu" else None,
+            # with AVX512-BF16 vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
+            ssm_dtype_bytes=cpu.state_dtype_bytes(platform.cpu_isa) if platform.kind == "cpu" else None,
             mamba_cache_mode="align" if targets.prefix_caching else "none",
         )
 

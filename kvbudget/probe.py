@@ -34,22 +34,30 @@ class VllmRefused(ValueError):
 
 @dataclass(frozen=True)
 class Device:
-    """Where the engine will run: this machine's own platform, or an NVIDIA card named by its compute
+    """Where the engine will run: this machine's own platform, a CPU host of a named instruction-set level
+    (kvbudget.cpu; vLLM is given PyTorch's answers for it), or an NVIDIA card named by its compute
     capability (emulated by vLLM's CUDA platform class on a machine that lacks it)."""
 
-    platform: str = "current"  # "current" or "cuda"
+    platform: str = "current"  # "current", "cpu" or "cuda"
     compute_capability: tuple[int, int] | None = None
     name: str = ""
     memory_bytes: int = 0
+    isa: str = ""  # the CPU host's level, for platform "cpu"
 
     def as_request(self) -> dict[str, Any]:
         if self.platform == "current":
             return {"platform": "current"}
+        if self.platform == "cpu":
+            return {"platform": "cpu", "isa": self.isa}
         return {"platform": "cuda", "compute_capability": list(self.compute_capability or (8, 0)),
                 "name": self.name, "memory_bytes": self.memory_bytes}
 
 
 THIS_MACHINE = Device()
+
+
+def cpu_host(isa: str) -> Device:
+    return Device("cpu", isa=isa)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class VllmFigures:
     kv_layers: int
     seconds: float
     notes: tuple[str, ...] = field(default=())
+    cpu_isa: str | None = None  # the CPU level vLLM answered for (None on a GPU)
+    backend_kv_dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # what each backend declares
 
     @property
     def source(self) -> str:
@@ -129,7 +139,9 @@ def _figures(answer: dict[str, Any]) -> VllmFigures:
         num_blocks=answer["num_blocks"], blocks_per_request=answer["blocks_per_request"],
         max_concurrency=answer["max_concurrency"], kv_tokens=answer["kv_tokens"],
         sessions_at={int(k): v for k, v in answer.get("sessions_at", {}).items()},
-        kv_layers=answer["kv_layers"], seconds=answer["seconds"], notes=tuple(answer.get("notes", ())))
+        kv_layers=answer["kv_layers"], seconds=answer["seconds"], notes=tuple(answer.get("notes", ())),
+        cpu_isa=answer.get("cpu_isa"),
+        backend_kv_dtypes={k: tuple(v) for k, v in answer.get("backend_kv_dtypes", {}).items()})
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                 "compute_capability": "%d.%d" % p.gpu.compute_capability, "fp8": p.gpu.fp8, "fp4": p.gpu.fp4,
                 "bandwidth_bytes_s": p.gpu.bandwidth_bytes_s, "memory_is_nvml_total": p.gpu.memory_is_nvml_total},
         "platform": p.platform.kind,
+        "cpu_isa": p.platform.cpu_isa if p.platform.kind == "cpu" else None,
         "model": {"name": p.model.name, "architecture": p.model.architecture, "layers": p.model.num_layers,
                   "kv_layers": p.model.kv_layers, "linear_layers": p.model.count("linear"), "mamba_layers": p.model.count("mamba"),
                   "sliding_layers": p.model.count("sliding"), "weight_bytes": p.model.weight_bytes,
@@ -60,7 +61,8 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                      "mamba_cache_mode": v.mamba_cache_mode, "enable_prefix_caching": v.enable_prefix_caching,
                      "groups": [g.__dict__ for g in v.groups], "num_blocks": v.num_blocks,
                      "blocks_per_request": v.blocks_per_request, "max_concurrency": v.max_concurrency,
-                     "kv_tokens": v.kv_tokens, "probe_seconds": v.seconds, "notes": list(v.notes)}
+                     "kv_tokens": v.kv_tokens, "probe_seconds": v.seconds, "notes": list(v.notes),
+                     "cpu_isa": v.cpu_isa}
     if p.disagreements and p.model_figures is not None and p.layout is not None:
         d["disagreements"] = list(p.disagreements)
         ours = p.model_figures
@@ -75,7 +77,7 @@ def plan_text(p: Plan) -> str:
     m = p.memory
     lines = [
         f"Plan for {p.model.name} ({p.model.architecture}) on "
-        + ("the CPU backend (fixed KV pool)" if p.platform.kind == "cpu" else
+        + (f"the CPU backend ({p.platform.cpu_isa} host, fixed KV pool)" if p.platform.kind == "cpu" else
            f"{p.platform.gpu_count} x {p.gpu.name}" + ("" if p.gpu.memory_is_nvml_total else " (nominal memory)")),
         "",
         "Memory per GPU" if m.total else "Memory",

@@ -126,9 +126,13 @@ def _answer_capability_queries() -> None:
     for name in dir(ops):
         if "supports" in name and callable(getattr(ops, name)):
             setattr(ops, name, lambda *a, **k: False)
-    # Layers bind their CUDA kernels (torch.ops._C.silu_and_mul, ...) when they are built. The kernels
-    # never run on the meta device, so once _custom_ops has made its hasattr() checks, a missing one is
-    # answered with a stand-in.
+    _stand_in_missing_ops()
+
+
+def _stand_in_missing_ops() -> None:
+    """Layers bind their kernels (torch.ops._C.silu_and_mul, ...) when they are built. The kernels never run
+    on the meta device, so once _custom_ops has made its hasattr() checks, a missing one is answered with
+    a stand-in."""
     import torch._ops
 
     original = torch._ops._OpNamespace.__getattr__
@@ -204,6 +208,55 @@ def _emulate_cuda(cc: tuple[int, int], name: str, memory_bytes: int) -> None:
         triton.Config = _TritonConfig  # type: ignore[attr-defined]
 
 
+# What torch.cpu answers about the host, per instruction-set level vLLM's CPU platform tells apart (its
+# attention ISA, the MLA backend and block size, FP8 KV, the AMX weight and MoE kernels, the recurrent
+# state's dtype): the functions vLLM calls, with the value each level's host gives. kvbudget/cpu.py reads
+# the same levels off /proc/cpuinfo and says which hosts are which.
+CPU_ISA_ANSWERS: dict[str, dict[str, bool]] = {
+    "avx2": {"_is_avx512_supported": False, "_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False},
+    "avx512": {"_is_avx512_supported": True, "_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False},
+    "avx512-bf16": {"_is_avx512_supported": True, "_is_avx512_bf16_supported": True,
+                    "_is_amx_tile_supported": False},
+    "amx": {"_is_avx512_supported": True, "_is_avx512_bf16_supported": True, "_is_amx_tile_supported": True},
+}
+ISA_ORDER = tuple(CPU_ISA_ANSWERS)
+FORCE_ENV = "KVBUDGET_HOST_CPU_ISA"  # kvbudget.cpu.FORCE_ENV: "this machine" reads as that level
+
+
+def _host_isa() -> str:
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if torch.cpu._is_avx512_supported():
+        return "avx512-bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+    return "avx2"
+
+
+def _emulate_cpu_isa(isa: str) -> str:
+    """Make torch.cpu answer for an `isa` host, after vLLM has loaded the kernel build for the real one.
+
+    vLLM's CPU platform asks torch which instructions the host has whenever it chooses (at call time), so
+    the answers are replaced; the compiled kernels stay the host's own (a build for instructions the host
+    lacks could not load), and nothing runs on them on the meta device. Returns the host's own level.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    host = _host_isa()
+    current_platform.import_kernels()  # the host's build, chosen with the host's real answers
+    type(current_platform).import_kernels = classmethod(lambda cls: None)  # type: ignore[method-assign,assignment]
+    for name, value in CPU_ISA_ANSWERS[isa].items():
+        setattr(torch.cpu, name, lambda value=value: value)
+    if ISA_ORDER.index(isa) > ISA_ORDER.index(host):
+        # The host's build lacks the kernels of the emulated one (AMX MoE, int8 GEMM): layers that bind
+        # them are built with a stand-in, as for an emulated card, once _custom_ops has made its checks.
+        import vllm._custom_ops  # noqa: F401
+
+        _stand_in_missing_ops()
+    return host
+
+
 _SCRATCH = tempfile.TemporaryDirectory(prefix="kvprobe-")  # removed when the probe exits
 
 
@@ -256,6 +309,12 @@ def prepare(device: dict[str, Any]) -> list[str]:
                       int(device.get("memory_bytes") or 80 << 30))
         notes.append("NVIDIA compute capability %d.%d emulated on this machine: vLLM's CUDA platform chose the "
                      "backends, without running a kernel" % tuple(device["compute_capability"]))
+    elif device.get("platform") == "current" and os.environ.get(FORCE_ENV):
+        device = {"platform": "cpu", "isa": os.environ[FORCE_ENV]}
+    if device.get("platform") == "cpu":
+        host = _emulate_cpu_isa(device["isa"])
+        notes.append(f"a CPU host with {device['isa']} emulated on this {host} host: vLLM's CPU platform chose "
+                     "the backends and kernels from those answers, without running a kernel")
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
@@ -366,6 +425,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         pool = int(vcfg.cache_config.kv_cache_memory_bytes)
         (kv_cfg,) = get_kv_cache_configs(vcfg, [specs], [pool])
         tokens, concurrency = get_kv_cache_capacity(vcfg, kv_cfg)
+        if current_platform.is_cpu():
+            _build_metadata_builders(vcfg, kv_cfg)
         groups: list[dict[str, Any]] = []
         per_request = 0
         for group in kv_cfg.kv_cache_groups:
@@ -404,6 +465,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         "platform": "cuda (emulated compute capability %d.%d)" % tuple(device["compute_capability"])
         if device.get("platform") == "cuda" else type(current_platform).__name__,
         "attention_backends": [b.get_name() for b in backends],
+        "cpu_isa": (device.get("isa") or _host_isa()) if current_platform.is_cpu() else None,
+        "backend_kv_dtypes": {b.get_name(): [str(d) for d in b.supported_kv_cache_dtypes] for b in backends},
         "kv_cache_layout": getattr(cache, "kv_cache_layout", None),
         "block_size": cache.block_size,
         "kv_cache_dtype": str(cache.cache_dtype),
@@ -427,6 +490,33 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         "notes": notes,
         "seconds": round(time.monotonic() - started, 2),
     }
+
+
+def _build_metadata_builders(vcfg: Any, kv_cfg: Any) -> None:
+    """The CPU worker's next step after sizing the pool: one attention metadata builder per group and
+    backend (GPUModelRunner.initialize_attn_backend). The CPU attention backend chooses its kernel ISA
+    there and refuses what the host cannot run (FP8 KV without AVX-512 or AMX, FP8 KV with head sizes not
+    divisible by 32), so the probe meets those refusals where the engine would."""
+    import torch
+    from vllm.config.vllm import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    with set_current_vllm_config(vcfg):
+        for group in kv_cfg.kv_cache_groups:
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                continue  # Mamba and linear-attention state: no attention metadata
+            layers = get_layers_from_vllm_config(vcfg, AttentionLayerBase, group.layer_names)
+            by_backend: dict[Any, list[str]] = {}
+            for name in group.layer_names:
+                by_backend.setdefault(layers[name].get_attn_backend(), []).append(name)
+            for backend, names in by_backend.items():
+                builder = backend.get_builder_cls()
+                kwargs: dict[str, Any] = {}
+                if getattr(builder, "requires_block_table_width", False):
+                    kwargs["block_table_width"] = spec.max_num_blocks_per_req(vcfg, vcfg.model_config.max_model_len)
+                builder(spec, names, vcfg, torch.device("cpu"), **kwargs)
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ import click
 
 from appliance.cli.common import EXIT_FAILED, CliError, choice, config_option, load_config, size
 from kvbudget.accounting import KvDtype
+from kvbudget.cpu import CPU_ISAS
 from kvbudget.plan_types import Workload
 
 
@@ -23,6 +24,8 @@ from kvbudget.plan_types import Workload
 @click.option("--gpu-cc", default="8.0", show_default=True, help="Compute capability of a --gpu-memory card.")
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 64), help="GPUs (tensor parallel).")
 @click.option("--cpu", "cpu_backend", is_flag=True, help="Plan for vLLM's CPU backend (needs --kv-pool).")
+@click.option("--cpu-isa", type=click.Choice(CPU_ISAS), default=None,
+              help="With --cpu: plan for a host of this instruction set (default: this host's, from /proc/cpuinfo).")
 @click.option("--kv-pool", default=None, help="Fix the KV pool (bytes or e.g. 1GiB) instead of deriving it.")
 @click.option("--sessions", type=click.IntRange(min=1), default=None, help="Concurrent sessions wanted.")
 @click.option("--context", type=click.IntRange(min=16), default=None, help="Context per session, tokens.")
@@ -39,7 +42,7 @@ from kvbudget.plan_types import Workload
               "else this one when vLLM is installed here).")
 @click.option("--model-only", is_flag=True, help="Use the kvbudget model alone; do not ask vLLM (faster, no engine).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_backend, kv_pool, sessions, context,
+def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_backend, cpu_isa, kv_pool, sessions, context,
              workload, kv_dtype, ttft_ms, tpot_ms, draft_model, prefix_caching, engine_python, model_only,
              as_json) -> None:
     """Compute the KV budget and the vLLM settings for a model on a GPU, against the site's targets.
@@ -50,6 +53,7 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     bad input or a plan vLLM refuses.
     """
     from appliance.planning import device_for, targets_from_config, with_draft, with_vllm_figures
+    from kvbudget.cpu import host_isa
     from kvbudget.gpu import discover
     from kvbudget.model import ModelError
     from kvbudget.model_files import read_model
@@ -75,8 +79,10 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
         pool = size(kv_pool) if kv_pool else (
             int(cfg.engine.kv_cache_memory_bytes) if cfg and cfg.engine.kv_cache_memory_bytes else None)
         discovered = False
+        if cpu_isa and not cpu_backend:
+            raise click.UsageError("--cpu-isa plans for the CPU backend: give --cpu with it")
         if cpu_backend:
-            gpu, platform = None, Platform("cpu")
+            gpu, platform = None, Platform("cpu", cpu_isa=cpu_isa or host_isa())
         else:
             platform = Platform("gpu", gpu_count=gpus)
             if gpu_name:

@@ -1,20 +1,24 @@
-"""The kvbudget model against vLLM itself, for every fixture family, KV dtype, prefix-caching setting and card.
+"""The kvbudget model against vLLM itself, for every fixture family, KV dtype, prefix-caching setting and
+device: four GPU cards and the CPU backend on each of the four host instruction-set levels.
 
 vLLM's figures come from kvbudget/vllm_probe.py: vLLM parses the plan's own command line, builds the model
 on the meta device, lets every layer report its KV cache spec, applies its block-size rules for the
-backend it picks on that card (an emulated CUDA platform answering for the card's compute capability; the
-CPU platform for this machine) and sizes the pool with its own allocator. Nothing kvbudget computed is handed
-to vLLM except the command line, so a misread config.json shows up as a difference here.
+backend it picks on that device (an emulated CUDA platform answering for the card's compute capability; the
+CPU platform given PyTorch's answers for an AVX2, AVX-512, AVX-512 BF16 or AMX host) and sizes the pool
+with its own allocator. Nothing kvbudget computed is handed to vLLM except the command line, so a misread
+config.json, or a host rule kvbudget.cpu gets wrong, shows up as a difference here.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from kvbudget import probe
+from kvbudget.cpu import CPU_ISAS, cpu_flags, host_isa, isa_from_flags
 from kvbudget.model_files import read_model
 from kvbudget.plan_types import Plan, PlanError, Platform, Targets
 from kvbudget.planner import make_plan
@@ -24,74 +28,118 @@ pytestmark = pytest.mark.vllm
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 MODELS = sorted(p.stem for p in FIX.glob("*.json") if p.stem != "not-a-causal-lm")
-CARDS = ("H100 80GB", "L40S", "A100 80GB", "RTX PRO 6000 Blackwell", "CPU")
+GPU_CARDS = ("H100 80GB", "L40S", "A100 80GB", "RTX PRO 6000 Blackwell")
+CPUS = tuple(f"CPU {isa}" for isa in CPU_ISAS)
+DEVICES = GPU_CARDS + CPUS
 POOL = 16 << 30
 # vLLM's spec classes by the kvbudget kind that models them.
 SPEC_KIND = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "ChunkedLocalAttentionSpec": "chunked",
              "MLAAttentionSpec": "mla", "MambaSpec": "state"}
-# Combinations vLLM itself cannot build on this CPU (the probe reports vLLM's reason; the test checks it).
-CPU_REFUSES = {
-    "gpt-oss-20b": "No MXFP4 MoE backend supports",  # MXFP4 MoE kernels are GPU-only
-    "qwen3.6-27b-fp8": "requires AMX",  # block-FP8 weights on the CPU need AMX tiles
+# Checkpoints whose weights vLLM's CPU build cannot run at a level, with vLLM's words: the planner refuses
+# them before vLLM is asked, and vLLM, asked anyway, must refuse with these words.
+_NO_AMX = {
+    "gpt-oss-20b": "No MXFP4 MoE backend supports",  # MXFP4 MoE kernels need AMX on the CPU
+    "qwen3.6-27b-fp8": "requires AMX tile support",  # block-FP8 weights on the CPU need AMX tiles
     "llama-3.1-8b-instruct-nvfp4": "NVFP4 linear layer",  # no NVFP4 weight kernel on the CPU
 }
+CPU_REFUSES = {
+    "avx2": _NO_AMX,
+    "avx512": _NO_AMX,
+    "avx512-bf16": _NO_AMX,
+    "amx": {"llama-3.1-8b-instruct-nvfp4": "NVFP4 linear layer"},
+}
+FP8_KV_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"  # vLLM's words (cpu_attn.py)
 
 
-def _plan(name: str, card: str, kv: str, prefix: bool) -> Plan | None:
+def _isa(device: str) -> str:
+    return device.split(" ", 1)[1]
+
+
+def _plan(name: str, device: str, kv: str, prefix: bool, *, weights_checked: bool = True) -> Plan | PlanError:
     model = read_model(FIX / f"{name}.json")
+    if not weights_checked:  # the command line the planner would give if it did not know the weight kernels
+        model = replace(model, weight_format="")
     context = min(32_768, model.max_position_embeddings or 32_768)
     targets = Targets(context=context, kv_dtype=kv, prefix_caching=prefix)
-    if card == "CPU":
-        return make_plan(model, None, targets, Platform("cpu"), kv_pool_bytes=POOL)
     try:
-        return make_plan(model, find_profile(card), targets, Platform("gpu"), kv_pool_bytes=POOL)
-    except PlanError:
-        return None  # FP8 KV on a card without FP8: the planner refuses before vLLM is asked
+        if device in CPUS:
+            return make_plan(model, None, targets, Platform("cpu", cpu_isa=_isa(device)), kv_pool_bytes=POOL)
+        return make_plan(model, find_profile(device), targets, Platform("gpu"), kv_pool_bytes=POOL)
+    except PlanError as e:
+        return e  # FP8 KV on a card without FP8, or weights the CPU cannot run: refused before vLLM is asked
 
 
-def _cases(card: str) -> list[tuple[str, str, bool]]:
-    dtypes = ("auto",) if card == "CPU" else ("bf16", "fp8")
+def _cases(device: str) -> list[tuple[str, str, bool]]:
+    dtypes = ("auto", "fp8") if device in CPUS else ("bf16", "fp8")
     return [(m, kv, prefix) for m in MODELS for kv in dtypes for prefix in (True, False)]
 
 
+@dataclass(frozen=True)
+class Answer:
+    plan: Plan | PlanError
+    vllm: object  # VllmFigures, or vLLM's refusal of the plan's command line (or of the refused plan's)
+    fp8_asked: object = None  # vLLM's answer to the plan with FP8 KV forced, where the planner fell back
+
+
+def _device(device: str) -> probe.Device:
+    if device in CPUS:
+        return probe.cpu_host(_isa(device))
+    card = find_profile(device)
+    return probe.Device("cuda", card.compute_capability, device, card.memory_bytes)
+
+
+def _question(name: str, plan: Plan, extra: tuple[str, ...] = ()) -> probe.Question:
+    return probe.Question(FIX / f"{name}.json", plan.vllm_args + extra,
+                          tuple(c for c in plan.sessions_at if c != plan.engine.max_model_len))
+
+
 @pytest.fixture(scope="session")
-def vllm_answers() -> dict[tuple[str, str, str, bool], tuple[Plan, object]]:
-    """One probe process per card answers every combination (vLLM is imported once per card); the cards'
-    processes run side by side, one per core."""
+def vllm_answers(request) -> dict[tuple[str, str, str, bool], Answer]:
+    """One probe process per device answers every combination (vLLM is imported once per device); the
+    devices' processes run side by side, one per core. Only the devices of the selected tests are asked
+    (`-k "CPU amx"` asks one)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    def ask_card(card: str) -> list[tuple[tuple, tuple[Plan, object]]]:
-        planned = [(case, p) for case in _cases(card) if (p := _plan(case[0], card, *case[1:])) is not None]
-        device = probe.THIS_MACHINE if card == "CPU" else probe.Device(
-            "cuda", find_profile(card).compute_capability, card, find_profile(card).memory_bytes)
-        questions = [probe.Question(FIX / f"{case[0]}.json", p.vllm_args,
-                                    tuple(c for c in p.sessions_at if c != p.engine.max_model_len))
-                     for case, p in planned]
-        return [((card, *case), (p, a)) for (case, p), a in zip(planned, probe.ask_many(questions, device))]
+    def ask_device(device: str) -> list[tuple[tuple, Answer]]:
+        keys, questions, fallbacks = [], [], []
+        for case in _cases(device):
+            plan = _plan(case[0], device, *case[1:])
+            if isinstance(plan, PlanError):
+                if device not in CPUS:
+                    keys.append((case, plan, None))
+                    continue
+                asked = _plan(case[0], device, *case[1:], weights_checked=False)
+                assert isinstance(asked, Plan), asked
+                questions.append(_question(case[0], asked))
+            else:
+                questions.append(_question(case[0], plan))
+            fp8_fallback = device in CPUS and case[1] == "fp8" and isinstance(plan, Plan) \
+                and plan.engine.kv_dtype != "fp8"
+            keys.append((case, plan, len(fallbacks) if fp8_fallback else None))
+            if fp8_fallback:
+                fallbacks.append(_question(case[0], plan, ("--kv-cache-dtype", "fp8")))
+        answers = iter(probe.ask_many(questions + fallbacks, _device(device)))
+        asked = [next(answers) if not (isinstance(p, PlanError) and device not in CPUS) else None
+                 for _, p, _ in keys]
+        forced = list(answers)
+        return [((device, *case), Answer(p, a, forced[f] if f is not None else None))
+                for (case, p, f), a in zip(keys, asked)]
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(CARDS), os.cpu_count() or 1))) as pool:
-        return {key: value for answers in pool.map(ask_card, CARDS) for key, value in answers}
+    wanted = [d for d in DEVICES if any(item.callspec.params["case"][0] == d for item in request.session.items
+                                        if "case" in getattr(getattr(item, "callspec", None), "params", {}))]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), os.cpu_count() or 1))) as pool:
+        return {key: value for answers in pool.map(ask_device, wanted) for key, value in answers}
 
 
 def _ids(case: tuple) -> str:
     return f"{case[0]}-{case[1]}-{case[2]}-prefix-{'on' if case[3] else 'off'}"
 
 
-ALL = [(card, *case) for card in CARDS for case in _cases(card)]
+ALL = [(device, *case) for device in DEVICES for case in _cases(device)]
 
 
-@pytest.mark.parametrize("case", ALL, ids=[_ids(c) for c in ALL])
-def test_kvbudget_equals_vllm(vllm_answers, case):
-    card, name, kv, prefix = case
-    if case not in vllm_answers:
-        assert card == "A100 80GB" and kv == "fp8", "only FP8 KV on a card without FP8 is refused before vLLM"
-        return
-    plan, vllm = vllm_answers[case]
-    if card == "CPU" and name in CPU_REFUSES:
-        assert isinstance(vllm, probe.VllmRefused) and CPU_REFUSES[name] in str(vllm)
-        return
-    assert isinstance(vllm, probe.VllmFigures), f"vLLM did not answer: {vllm}"
+def _figures_agree(plan: Plan, vllm: probe.VllmFigures) -> None:
     lay, cap = plan.layout, plan.capacity
     assert lay is not None and cap is not None
     ours = {
@@ -104,6 +152,7 @@ def test_kvbudget_equals_vllm(vllm_answers, case):
         "kv_tokens": cap.tokens_reported,
         "sessions_at": {c: round(n, 9) for c, n in plan.sessions_at.items() if c != plan.engine.max_model_len},
         "prefix_caching": plan.targets.prefix_caching,
+        "kv_dtype": "fp8" if plan.engine.kv_dtype == "fp8" else "auto",
     }
     theirs = {
         "block_size": vllm.block_size,
@@ -115,12 +164,84 @@ def test_kvbudget_equals_vllm(vllm_answers, case):
         "kv_tokens": vllm.kv_tokens,
         "sessions_at": {c: round(n, 9) for c, n in vllm.sessions_at.items()},
         "prefix_caching": vllm.enable_prefix_caching,
+        "kv_dtype": "fp8" if vllm.kv_cache_dtype.startswith("fp8") else "auto",
     }
     assert ours == theirs, f"{vllm.platform}, backends {vllm.attention_backends}"
     if plan.model.state_layers:
-        assert vllm.mamba_cache_mode == ("align" if prefix else "none")
+        assert vllm.mamba_cache_mode == ("align" if plan.targets.prefix_caching else "none")
         (state,) = {g.state_bytes for g in vllm.groups if g.type == "MambaSpec"}
         assert state == lay.mamba_page_real
+
+
+@pytest.mark.parametrize("case", ALL, ids=[_ids(c) for c in ALL])
+def test_kvbudget_equals_vllm(vllm_answers, case):
+    device, name, kv, prefix = case
+    answer = vllm_answers[case]
+    if device in CPUS:
+        isa = _isa(device)
+        refused_words = CPU_REFUSES[isa].get(name)
+        if refused_words:
+            assert isinstance(answer.plan, PlanError), f"the planner should refuse {name}'s weights on {isa}"
+            assert isinstance(answer.vllm, probe.VllmRefused) and refused_words in str(answer.vllm), answer.vllm
+            return
+        assert isinstance(answer.plan, Plan), f"the planner refused what vLLM builds on {isa}: {answer.plan}"
+        if answer.fp8_asked is not None:  # the planner fell back from FP8 KV: vLLM's reason, in its words
+            if answer.plan.model.mla_latent_dim:
+                assert isinstance(answer.vllm, probe.VllmFigures)
+                assert not any("fp8" in d for b in answer.vllm.attention_backends
+                               for d in answer.vllm.backend_kv_dtypes[b]), answer.vllm.backend_kv_dtypes
+            else:
+                assert isinstance(answer.fp8_asked, probe.VllmRefused), answer.fp8_asked
+                assert FP8_KV_REFUSED in str(answer.fp8_asked)
+        assert isinstance(answer.vllm, probe.VllmFigures), f"vLLM did not answer: {answer.vllm}"
+        assert answer.vllm.cpu_isa == isa
+        _figures_agree(answer.plan, answer.vllm)
+        return
+    if isinstance(answer.plan, PlanError):
+        assert device == "A100 80GB" and kv == "fp8", "only FP8 KV on a card without FP8 is refused before vLLM"
+        return
+    assert isinstance(answer.vllm, probe.VllmFigures), f"vLLM did not answer: {answer.vllm}"
+    _figures_agree(answer.plan, answer.vllm)
+
+
+def test_this_host_unemulated():
+    """The planner's reading of this host against vLLM's own, with nothing emulated: the level read off
+    /proc/cpuinfo is the one PyTorch reports to vLLM in the engine's interpreter, and the plans for an MLA
+    model (whose backend and block size follow AMX) and for FP8 KV (which follows AVX-512) are what vLLM
+    allocates here, or vLLM refuses them for the reason the plan gives."""
+    isa = host_isa()
+    platform = Platform("cpu", cpu_isa=isa)
+    mla = make_plan(read_model(FIX / "deepseek-v2-lite-chat.json"), None, Targets(context=32_768), platform,
+                    kv_pool_bytes=POOL)
+    fp8 = make_plan(read_model(FIX / "smollm2-135m-instruct.json"), None, Targets(context=4096, kv_dtype="fp8"),
+                    platform, kv_pool_bytes=POOL)
+    forced = fp8.vllm_args if fp8.engine.kv_dtype == "fp8" else fp8.vllm_args + ("--kv-cache-dtype", "fp8")
+    answers = probe.ask_many([_question("deepseek-v2-lite-chat", mla), _question("smollm2-135m-instruct", fp8),
+                              probe.Question(FIX / "smollm2-135m-instruct.json", forced)], probe.THIS_MACHINE)
+    mla_vllm, fp8_vllm, forced_vllm = answers
+    assert isinstance(mla_vllm, probe.VllmFigures) and mla_vllm.cpu_isa == isa, (isa, mla_vllm)
+    assert mla_vllm.attention_backends == (("AMX_MLA",) if isa == "amx" else ("CPU_MLA",))
+    _figures_agree(mla, mla_vllm)
+    assert isinstance(fp8_vllm, probe.VllmFigures)
+    _figures_agree(fp8, fp8_vllm)
+    if isa in ("avx512", "avx512-bf16", "amx"):
+        assert fp8.engine.kv_dtype == "fp8" and fp8_vllm.kv_cache_dtype.startswith("fp8")
+    else:
+        assert fp8.engine.kv_dtype == "auto" and "AVX-512 or AMX" in " ".join(fp8.notes)
+        assert isinstance(forced_vllm, probe.VllmRefused) and FP8_KV_REFUSED in str(forced_vllm)
+
+
+def test_host_reading_agrees_with_torch():
+    """kvbudget.cpu reads /proc/cpuinfo by PyTorch's definitions; PyTorch itself says the same here
+    (the real host's flags, whatever KVBUDGET_HOST_CPU_ISA makes the planner assume)."""
+    import torch
+
+    answers = {"avx512f": torch.cpu._is_avx512_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+               "amx_tile": torch.cpu._is_amx_tile_supported()}
+    from_torch = isa_from_flags(frozenset(
+        ({"avx512f", "avx512vl", "avx512bw", "avx512dq"} if answers["avx512f"] else set())
+        | {f for f in ("avx512_bf16", "amx_tile") if answers[f]}))
+    assert isa_from_flags(cpu_flags()) == from_torch, answers
 
 
 def test_vllm_refusal_becomes_the_plans(tmp_path):
