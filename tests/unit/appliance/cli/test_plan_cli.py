@@ -124,3 +124,22 @@ def test_plan_names_its_source_and_plans_prefix_caching_off():
     no_vllm = json.loads(appliance(*base, "--engine-python", "/usr/bin/python3").stdout)
     assert no_vllm["source"] == "kvbudget model"
     assert any("figures from the kvbudget model only" in n for n in no_vllm["notes"])
+
+
+def test_cpu_plan_names_its_host_and_takes_another():
+    """--cpu plans for this host's instruction set; --cpu-isa for another (the MLA fixture's block size and
+    prefix caching follow AMX)."""
+    model = str(FIX / "deepseek-v2-lite-chat.json")
+    amx = appliance("plan", "--model-only", "--model", model, "--cpu", "--cpu-isa", "amx", "--kv-pool", "4GiB", "--json")
+    avx2 = appliance("plan", "--model-only", "--model", model, "--cpu", "--cpu-isa", "avx2", "--kv-pool", "4GiB", "--json")
+    assert amx.returncode == 0 and avx2.returncode == 0, amx.stderr + avx2.stderr
+    a, b = json.loads(amx.stdout), json.loads(avx2.stdout)
+    assert (a["cpu_isa"], a["kv"]["block_size"]) == ("amx", 128) and (b["cpu_isa"], b["kv"]["block_size"]) == ("avx2", 16)
+    here = appliance("plan", "--model-only", "--model", model, "--cpu", "--kv-pool", "4GiB")
+    from kvbudget.cpu import host_isa
+
+    assert f"the CPU backend ({host_isa()} host, fixed KV pool)" in here.stdout
+    r = appliance("plan", "--model-only", "--model", model, "--cpu-isa", "amx", "--gpu", PRO6000)
+    assert r.returncode == 2 and "--cpu-isa plans for the CPU backend" in r.stderr
+    r = appliance("plan", "--model-only", "--model", model, "--cpu", "--cpu-isa", "avx1024", "--kv-pool", "1GiB")
+    assert r.returncode == 2 and "avx1024" in r.stderr and "Traceback" not in r.stderr
