@@ -12,7 +12,7 @@ from kvbudget.gpu import Discovery, discover
 from kvbudget.model import ModelError, ModelShape
 from kvbudget.model_files import read_draft, read_model
 from kvbudget.plan_types import Plan, PlanError, Platform, Targets
-from kvbudget.planner import follow_vllm, make_plan
+from kvbudget.planner import follow_vllm, make_plan, require_modelled
 from kvbudget.profiles import GpuProfile, profile_from_discovery
 
 
@@ -77,7 +77,11 @@ def with_vllm_figures(plan: Plan, model_path: Path, device: probe.Device, python
 def _ask_vllm(plans: list[Plan], model_path: Path, device: probe.Device,
               python: str | None) -> list[Plan | PlanError]:
     """Every plan checked by one probe run (vLLM is imported once): each followed, or vLLM's refusal."""
-    def model_only(p: Plan, why: Exception) -> Plan:
+    def model_only(p: Plan, why: Exception) -> Plan | PlanError:
+        try:
+            require_modelled(p)
+        except PlanError as e:
+            return PlanError(f"{e} ({why})")
         return replace(p, notes=p.notes + (f"figures from the kvbudget model only: {why}",))
 
     try:
@@ -143,7 +147,7 @@ def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: b
         if ask_vllm:  # the engine runs here: vLLM answers for this machine's own platform
             answered = _ask_vllm(plans, cfg.model.path, probe.THIS_MACHINE, cfg.engine.python or None)
         else:
-            answered = list(plans)
+            answered = [require_modelled(p) for p in plans]
     except PlanError as e:
         raise PlanningError(str(e)) from None
     first = answered[0]

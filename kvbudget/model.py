@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
@@ -86,6 +87,10 @@ class ModelShape:
     weight_bytes: int = 0
     weight_bytes_exact: bool = False
     notes: tuple[str, ...] = field(default=())
+    # Settings of config.json that describe cache-holding layers this model does not read (state-space,
+    # convolution, shared blocks, layer kinds): planned alone, its figures would be wrong. vLLM's probe
+    # plans such a model; the kvbudget model alone refuses it (kvbudget.planner.require_modelled).
+    unmodelled: tuple[str, ...] = field(default=())
 
     @property
     def num_layers(self) -> int:
@@ -177,8 +182,38 @@ LAYER_TYPE_NAMES: dict[str, str] = {
 }
 
 
-def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[str, ...]:  # each a LayerKind
-    """The cache-holding modules in layer order, the way the model's vLLM class builds them."""
+# Names of config.json settings that describe recurrent or convolutional state (Mamba, Gated DeltaNet,
+# short convolutions, RG-LRU, RWKV, ...) and of settings that lay out which layer is which kind.
+STATE_SETTING = re.compile(r"mamba|ssm|state_size|d_state|d_conv|conv|linear_attn|linear_attention|^linear_|"
+                           r"recurrent|rwkv|xlstm|(^|_)lru|deltanet|delta_net|retention|time_step|dt_rank|^expand$",
+                           re.IGNORECASE)
+LAYER_PLAN_SETTING = re.compile(r"layer_types|layers_block_type|block_types?$|attn_layer_(period|offset|indices)|"
+                                r"attn_type_list|hybrid|shared_(attention|transformer|block)|mem_blocks|"
+                                r"mb_per_layer|layer_pattern|mixer_types?|swa_layers|global_attn_layers|"
+                                r"full_attn_layers|full_attention_interval|attention_layer|attn_idxs|"
+                                # layers that read another layer's KV cache (Gemma 3n, Gemma 4)
+                                r"kv_shar", re.IGNORECASE)
+
+
+def _unmodelled(cfg: dict[str, Any], kinds: tuple[str, ...], unknown_types: set[str]) -> tuple[str, ...]:
+    """The settings describing cache-holding layers that the layer kinds were not derived from, after the
+    layer kinds not understood (worded already)."""
+    used = {"layer_types", "hybrid_override_pattern"}
+    if "linear" in kinds:
+        used.add("full_attention_interval")
+    has_state = any(k in STATE_KINDS for k in kinds)
+    out = sorted(unknown_types)
+    for key, value in cfg.items():
+        if value is None or value is False or key in used:
+            continue
+        if LAYER_PLAN_SETTING.search(key) or (STATE_SETTING.search(key) and not has_state):
+            out.append(key)
+    return tuple(out)
+
+
+def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], set[str]]:  # each a LayerKind
+    """The cache-holding modules in layer order, the way the model's vLLM class builds them, and the
+    layer_types entries not understood (planned as attention: only vLLM's probe can plan them)."""
     mla = cfg.get("kv_lora_rank") is not None
     attn: LayerKind = "mla" if mla else "full"
     model_type = str(cfg.get("model_type", ""))
@@ -186,13 +221,18 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[str, ...]:  # each a Laye
     if isinstance(types, list) and types:
         if len(types) != n:
             raise ModelError(f"config.json layer_types has {len(types)} entries for {n} layers")
-        out = []
+        out, unknown = [], set()
         for t in types:
+            kind = LAYER_TYPE_NAMES.get(t, "attn")
             if t not in LAYER_TYPE_NAMES:
-                raise ModelError(f"unsupported layer type {t!r} in layer_types (known: {', '.join(LAYER_TYPE_NAMES)})")
-            kind = LAYER_TYPE_NAMES[t]
+                unknown.add(f"layer_types entry {t!r}")
             out.append(attn if kind == "attn" else kind)
-        return tuple(out)
+        return tuple(out), unknown
+    return _layer_kinds_without_types(cfg, n, attn, mla, model_type), set()
+
+
+def _layer_kinds_without_types(cfg: dict[str, Any], n: int, attn: LayerKind, mla: bool,
+                               model_type: str) -> tuple[str, ...]:
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str) and pattern:
         # Nemotron-H: M is a Mamba2 mixer, * an attention layer, - and E are MLP / MoE layers (no cache).
@@ -299,7 +339,14 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     if not isinstance(kv_heads, int) or kv_heads <= 0:
         raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
     head_dim = t.get("head_dim") or t.get("attention_head_dim") or hidden // heads
-    kinds = cast(tuple[LayerKind, ...], _layer_kinds(t, n_layers))
+    derived, unknown_types = _layer_kinds(t, n_layers)
+    if "linear" in derived and t.get("linear_num_value_heads") is None:
+        # linear_attention layers without Gated DeltaNet's settings (MiniMax's lightning attention, Kimi's
+        # KDA): another recurrent state, which only vLLM's probe can size.
+        derived = tuple("mla" if k == "linear" and t.get("kv_lora_rank") is not None else
+                        "full" if k == "linear" else k for k in derived)
+        unknown_types.add("layer_types entry 'linear_attention' (not Gated DeltaNet: no linear_* settings)")
+    kinds = cast(tuple[LayerKind, ...], derived)
     dtype_bytes = _dtype_bytes(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype"))
 
     mla_dim = None
@@ -338,17 +385,27 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         attention_chunk_size=int(t["attention_chunk_size"]) if "chunked" in kinds else None,
         model_type=str(t.get("model_type", "")),
         layers=n_layers,
-        intermediate_size=t.get("intermediate_size"),
+        intermediate_size=_widest(t.get("intermediate_size")),
         num_experts=int(t.get("num_experts") or t.get("n_routed_experts") or t.get("num_local_experts") or 0),
-        moe_intermediate_size=t.get("moe_intermediate_size"),
+        moe_intermediate_size=_widest(t.get("moe_intermediate_size")),
         tie_word_embeddings=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         quantization=quant,
         weight_bits=bits,
         weight_format=_weight_format(t),
+        unmodelled=_unmodelled(t, derived, unknown_types),
         mtp_layers=int(t.get("mtp_num_hidden_layers") or t.get("num_nextn_predict_layers") or 0),
     )
     return replace(shape, weight_bytes=estimate_weight_bytes(shape), weight_bytes_exact=False,
                    notes=("weight bytes estimated from the architecture (no safetensors read)",))
+
+
+def _widest(size: Any) -> int | None:
+    """An MLP width, or the widest of per-layer widths (Gemma 3n lists one per layer): the weight
+    estimate's input only, never the KV cache's."""
+    if isinstance(size, list):
+        widths = [w for w in size if isinstance(w, int) and not isinstance(w, bool)]
+        return max(widths) if widths else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def estimate_weight_bytes(s: ModelShape) -> int:

@@ -364,6 +364,21 @@ def _longest_context_for(model: ModelShape, eng: EngineShape, pool: int, session
 # -- vLLM's own figures ----------------------------------------------------------------------
 
 
+def require_modelled(plan: Plan) -> Plan:
+    """A plan whose figures come from the kvbudget model alone, refused when its model has cache-holding
+    layers the kvbudget model does not read: planned as attention they would be confidently wrong (for
+    hybrids, several times fewer sessions than vLLM allocates)."""
+    missing = plan.model.unmodelled
+    if missing:
+        raise PlanError(
+            f"the kvbudget model does not understand {plan.model.name}'s {', '.join(missing)} (state-space, "
+            "convolution or shared-block layers, or layer kinds it does not read), so a plan from it alone "
+            "would be wrong; plan with vLLM's probe instead (without --model-only, with the engine environment: "
+            "engine.python, or vLLM installed beside the appliance)")
+    return plan
+
+
+
 def follow_vllm(plan: Plan, vllm: VllmFigures) -> Plan:
     """The plan with vLLM's figures in place of the kvbudget model's, and every difference named.
 
@@ -400,6 +415,9 @@ def follow_vllm(plan: Plan, vllm: VllmFigures) -> Plan:
     if not t.sessions and seqs == _seqs_for(ours.max_concurrency):  # chosen from capacity, not fixed
         seqs = _seqs_for(vllm.max_concurrency)
         args[args.index("--max-num-seqs") + 1] = str(seqs)
+    if plan.model.unmodelled:
+        diffs.insert(0, f"the kvbudget model does not read {', '.join(plan.model.unmodelled)}: vLLM's figures "
+                        "are the plan's")
     return replace(plan, capacity=cap, sessions_at=sessions_at, findings=tuple(findings), source=vllm.source,
                    vllm=vllm, model_figures=ours if diffs else None, disagreements=tuple(diffs),
                    max_num_seqs=seqs, vllm_args=tuple(args))

@@ -58,7 +58,7 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     from kvbudget.model import ModelError
     from kvbudget.model_files import read_model
     from kvbudget.plan_types import PlanError, Platform, Targets
-    from kvbudget.planner import make_plan
+    from kvbudget.planner import make_plan, require_modelled
     from kvbudget.profiles import UnknownGpu, custom_profile, find_profile, profile_from_discovery
     from kvbudget.render import plan_dict, plan_text
 
@@ -100,7 +100,9 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
                 discovered = True
         plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool,
                          max_num_seqs=cfg.engine.max_num_seqs if cfg else None)
-        if not model_only:
+        if model_only:
+            plan = require_modelled(plan)
+        else:
             python = engine_python or (cfg.engine.python if cfg else None) or None
             plan = with_vllm_figures(plan, path, device_for(gpu, platform, discovered), python)
     except (ModelError, PlanError, UnknownGpu, ValueError) as e:

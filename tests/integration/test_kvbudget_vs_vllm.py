@@ -317,3 +317,23 @@ def test_eagle3_draft_tensor_and_decode_context_parallel_agree_with_vllm(tmp_pat
             plan.capacity.num_blocks, plan.capacity.blocks_per_request, plan.layout.block_size), key
         assert vllm.kv_layers == sum(g.layers for g in plan.layout.groups), key
     assert answers[0].kv_layers == 33  # 32 target layers + the EAGLE-3 head's one
+
+
+def test_unmodelled_configs_follow_vllm_with_every_disagreement_named():
+    """Configs whose cache-holding layers the kvbudget model does not read (refused model-only, see
+    tests/unit/kvbudget/test_unmodelled.py): asked, vLLM answers, the plan takes vLLM's figures and lists what
+    the model did not read first, then each difference. The model alone would have been several times off."""
+    from appliance.planning import with_vllm_figures
+
+    unmodelled = FIX.parent / "unmodelled"
+    for name, off_by in (("jamba-tiny", 5.0), ("gemma3n-tiny", 2.0)):
+        path = unmodelled / f"{name}.json"
+        model_only = make_plan(read_model(path), None, Targets(context=4096), Platform("cpu", cpu_isa=host_isa()),
+                               kv_pool_bytes=1 << 30)
+        plan = with_vllm_figures(model_only, path, probe.THIS_MACHINE, None)
+        assert plan.source.startswith("vllm ") and plan.vllm is not None
+        assert plan.capacity.max_concurrency == plan.vllm.max_concurrency
+        assert plan.disagreements[0].startswith("the kvbudget model does not read ")
+        assert all(item in plan.disagreements[0] for item in model_only.model.unmodelled)
+        assert any(d.startswith("max concurrency:") for d in plan.disagreements)
+        assert plan.vllm.max_concurrency > off_by * model_only.capacity.max_concurrency, (name, plan.disagreements)
