@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvbudget import probe
+from kvbudget.cpu import cpu_flags, has_avx512, isa_from_flags
 from kvbudget.model_files import read_model
 from kvbudget.plan_types import Platform, Targets
 from kvbudget.planner import make_plan
@@ -101,3 +102,49 @@ def test_tiny_models_match_the_engine_log(tmp_path: Path, shape: str):
     if plan.layout.mamba_page_real:
         pad = PADDING_LINE.search(text)
         assert pad and pad.group(1) == f"{plan.layout.mamba_padding_pct:.2f}"
+
+
+def test_fp8_kv_cache_follows_this_host(tmp_path: Path):
+    """FP8 KV on the real CPU engine, with the embedded default model: from AVX-512 on the plan chooses it,
+    the engine allocates the KV tokens the plan says (twice the model dtype's) and still answers; on an AVX2
+    host the plan falls back to the model dtype, and the engine asked for FP8 refuses in vLLM's words. The
+    host's real level decides (KVBUDGET_HOST_CPU_ISA does not reach the engine)."""
+    isa = isa_from_flags(cpu_flags())
+    folder = default_model_path()
+    plan = make_plan(read_model(folder), None, Targets(context=2048, kv_dtype="fp8"),
+                     Platform("cpu", enforce_eager=True, cpu_isa=isa), kv_pool_bytes=1 << 30, max_num_seqs=8)
+    args = plan.vllm_args if plan.engine.kv_dtype == "fp8" else (*plan.vllm_args, "--kv-cache-dtype", "fp8")
+    port = free_port()
+    log_path = tmp_path / "engine.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(shared_engine_cache()))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
+             "default", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    try:
+        if not has_avx512(isa):
+            assert plan.engine.kv_dtype == "auto" and any("AVX-512 or AMX" in n for n in plan.notes), plan.notes
+            wait_for(lambda: proc.poll() is not None, 300, interval=1, what="the engine to refuse FP8 KV")
+            assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in log_path.read_text(errors="replace")
+            return
+        assert plan.engine.kv_dtype == "fp8" and "--kv-cache-dtype" in plan.vllm_args
+        wait_for(lambda: proc.poll() is not None or b"Application startup complete" in log_path.read_bytes(), 300,
+                 interval=1, what="the engine with FP8 KV to start")
+        text = log_path.read_text(errors="replace")
+        m = ENGINE_LINE.search(text)
+        assert proc.poll() is None and m, text[-3000:]
+        assert int(m.group(1).replace(",", "")) == plan.capacity.tokens_reported
+        bf16 = make_plan(read_model(folder), None, Targets(context=2048), Platform("cpu", cpu_isa=isa),
+                         kv_pool_bytes=1 << 30, max_num_seqs=8)
+        assert plan.capacity.tokens_reported >= 2 * bf16.capacity.tokens_reported - bf16.layout.block_size
+        r = loopback.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "default", "max_tokens": 20, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
