@@ -56,7 +56,7 @@ def device_for(gpu: GpuProfile | None, platform: Platform, discovered: bool) -> 
     """This machine's platform for a GPU found here or the CPU backend of this host's instruction set;
     else the named card or CPU level, emulated."""
     if platform.kind == "cpu":
-        return probe.THIS_MACHINE if platform.cpu_isa == host_isa() else probe.cpu_host(platform.cpu_isa)
+        return probe.THIS_MACHINE if platform.isa == host_isa() else probe.cpu_host(platform.isa)
     if discovered or gpu is None:
         return probe.THIS_MACHINE
     return probe.Device("cuda", gpu.compute_capability, gpu.name, gpu.memory_bytes)

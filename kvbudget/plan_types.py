@@ -50,9 +50,18 @@ class Platform:
     gpu_count: int = 1
     gpu_memory_utilization: float = 0.92  # vLLM's default: what it holds back is headroom
     enforce_eager: bool = False
-    # The CPU backend's host (kvbudget.cpu): what vLLM's CPU platform runs there. The planning shells read
-    # it from the host; avx2, the level every x86-64 build runs on, is the default for a bare Platform.
-    cpu_isa: CpuIsa = "avx2"
+    # The CPU backend's host (kvbudget.cpu): what vLLM's CPU platform runs there. Required for a CPU plan
+    # (no default: a plan that assumed one host's level would be wrong on the others); the planning shells
+    # read it from the host, what-if plans name it.
+    cpu_isa: CpuIsa | None = None
+
+    @property
+    def isa(self) -> CpuIsa:
+        """The CPU host's level, for a CPU plan (refused without one)."""
+        if self.cpu_isa is None:
+            raise PlanError("the CPU backend's plan depends on the host's instruction set: give cpu_isa "
+                            "(kvbudget.cpu.host_isa() reads this host's)")
+        return self.cpu_isa
 
     @property
     def block_size(self) -> int:

@@ -48,13 +48,13 @@ def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform,
     if platform.kind == "cpu":
         # "auto" keeps the model's dtype on the CPU: FP8 KV is the operator's choice there (targets.kv_dtype).
         if want in ("fp8", "fp4"):
-            refusal = cpu.kv_dtype_refusal(want, model.head_dim, bool(model.mla_latent_dim), platform.cpu_isa)
+            refusal = cpu.kv_dtype_refusal(want, model.head_dim, bool(model.mla_latent_dim), platform.isa)
             if refusal:
                 return "auto", f"{refusal}; using the model dtype"
             return want, None
         if want == "auto" and cpu.kv_dtype_refusal("fp8", model.head_dim, bool(model.mla_latent_dim),
-                                                   platform.cpu_isa) is None:
-            return "auto", (f"FP8 KV cache is available on this {platform.cpu_isa} host: targets.kv_dtype = \"fp8\" "
+                                                   platform.isa) is None:
+            return "auto", (f"FP8 KV cache is available on this {platform.isa} host: targets.kv_dtype = \"fp8\" "
                             "holds twice the tokens in the same pool")
         return "auto", None
     if want == "auto":
@@ -104,7 +104,7 @@ def attention_block_size(model: ModelShape, gpu: GpuProfile, platform: Platform,
     hybrid alignment). Mirrors which backend vLLM picks; the vLLM probe checks it against vLLM's own choice."""
     if model.mla_latent_dim:
         if platform.kind == "cpu":
-            return cpu.mla_block_size(platform.cpu_isa)  # AMX_MLA 128, the reference CPU_MLA exactly 16
+            return cpu.mla_block_size(platform.isa)  # AMX_MLA 128, the reference CPU_MLA exactly 16
         if kv_dtype == "fp8" and gpu.compute_capability[0] == 9:
             return 64  # FlashMLA, vLLM's first choice for an FP8 latent cache on Hopper
         return 16
@@ -155,6 +155,7 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         gpu = CPU_DEVICE
         if kv_pool_bytes is None:
             raise PlanError("the CPU backend has no GPU memory to plan from: give the KV pool size")
+        platform.isa  # noqa: B018  (refused here, before anything is planned, when the level is missing)
     if gpu is None:
         raise PlanError("no GPU given: name one (--gpu) or give its memory (--gpu-memory)")
     if kv_pool_bytes is not None and kv_pool_bytes <= 0:
@@ -174,14 +175,14 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     tp, dcp, par_notes = parallelism(model, platform)
     notes += par_notes
     if platform.kind == "cpu":
-        refusal = cpu.weight_kernel_refusal(model.weight_format, platform.cpu_isa)
+        refusal = cpu.weight_kernel_refusal(model.weight_format, platform.isa)
         if refusal:
             raise PlanError(f"{model.name} cannot run on this CPU: {refusal}")
-        if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.cpu_isa):
+        if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.isa):
             # vLLM's CPU platform forces both off for MLA models without AMX (CpuPlatform.check_and_update_config).
             targets = replace(targets, prefix_caching=False)
             notes.append(f"vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models "
-                         f"on a {platform.cpu_isa} host (AMX_MLA keeps them)")
+                         f"on a {platform.isa} host (AMX_MLA keeps them)")
     kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform, model)
     if dtype_note:
         notes.append(dtype_note)
@@ -218,7 +219,7 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
             draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
             max_concurrent_batches=1 if platform.kind == "cpu" else 2,
             # with AVX512-BF16 vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
-            ssm_dtype_bytes=cpu.state_dtype_bytes(platform.cpu_isa) if platform.kind == "cpu" else None,
+            ssm_dtype_bytes=cpu.state_dtype_bytes(platform.isa) if platform.kind == "cpu" else None,
             mamba_cache_mode="align" if targets.prefix_caching else "none",
         )
 

@@ -298,7 +298,7 @@ def test_cpu_backend_plan_matches_the_engines_arithmetic():
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "hidden_size": 576, "head_dim": 64, "max_position_embeddings": 8192,
            "vocab_size": 49152, "torch_dtype": "bfloat16"}
-    p = make_plan(shape_from_config(cfg), None, Targets(context=2048), Platform("cpu"), kv_pool_bytes=GiB)
+    p = make_plan(shape_from_config(cfg), None, Targets(context=2048), Platform("cpu", cpu_isa="avx2"), kv_pool_bytes=GiB)
     assert p.layout.block_size == 128
     assert p.capacity.tokens_reported == 46_592 and round(p.capacity.max_concurrency, 2) == 22.75
 
@@ -312,7 +312,9 @@ def test_bad_planning_input():
     with pytest.raises(PlanError, match="sessions must be positive"):
         make_plan(m, find_profile("L4"), Targets(sessions=0))
     with pytest.raises(PlanError, match="CPU backend has no GPU memory"):
-        make_plan(m, None, Targets(), Platform("cpu"))
+        make_plan(m, None, Targets(), Platform("cpu", cpu_isa="avx2"))
+    with pytest.raises(PlanError, match="depends on the host's instruction set"):
+        make_plan(m, None, Targets(), Platform("cpu"), kv_pool_bytes=GiB)
     with pytest.raises(PlanError, match="KV pool must be positive"):
         make_plan(m, find_profile("L4"), Targets(), kv_pool_bytes=-1)
 
