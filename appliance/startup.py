@@ -28,7 +28,10 @@ def runtime_problems(cfg: Config) -> list[str]:
 
     Each names the setting it concerns; the doctor asks the area it reports on (model_problems, ...).
     """
-    return [*model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg), *state_problems(cfg)]
+    from appliance.library_pins import library_problems
+
+    return [*library_problems(), *model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg),
+            *state_problems(cfg)]
 
 
 def model_problems(cfg: Config) -> list[str]:
