@@ -220,7 +220,7 @@ class Daemon:
         else:
             old_d, new_d = self.cfg.model_dump(), new.model_dump()
             self.request_log.keep_text = new.state.log_prompts
-            self.verifier.clear()  # revocations take effect now
+            self.verifier.invalidate()  # revocations take effect now
             live = {"state", "doctor"}
             needs_restart = sorted(k for k in new_d if new_d[k] != old_d[k] and k not in live)
             if needs_restart:

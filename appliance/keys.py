@@ -8,19 +8,22 @@ comparison is constant-time.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
+import math
 import secrets
+import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import sqlite_utils
-
 from appliance.store import open_db
 from cascade.policy import PRIORITY_CLASSES
+
+log = logging.getLogger("appliance")
 
 PREFIX = "apk"
 
@@ -103,51 +106,73 @@ def revoke(db_path: Path, key_id: str) -> ApiKey:
 
 
 class KeyVerifier:
-    """Checks presented keys against the database, caching each answer for `ttl_s`.
+    """Checks presented keys against the key table, held whole in memory and reloaded once it is older
+    than `ttl_s`.
 
-    The cache keeps SQLite off the per-request path; a revocation made with `appliance keys revoke`
-    (another process) takes effect within ttl_s. It holds at most `max_entries` key ids, least recently
-    used out first: ids nobody issued (anyone can send them, no valid key needed) cannot grow it. An
-    OrderedDict rather than cachetools' TTLCache: the same few lines, and no new dependency in the
-    packages for them.
+    A site has tens of keys, so the table is small: a lookup is a dict lookup, and an id nobody issued
+    (anyone can send one, no valid key needed) costs no query and no memory. The event loop never touches
+    SQLite: `verify_async` reloads a stale table in a worker thread, one reload shared by every request that
+    finds it stale; `verify` reloads in the caller's thread (the CLI, tests, other threads). A key created or
+    revoked with `appliance keys` (another process) takes effect within ttl_s; `invalidate` makes the next
+    request reload (a configuration reload does).
     """
 
-    def __init__(self, db_path: Path, ttl_s: float = 5.0, max_entries: int = 4096) -> None:
+    def __init__(self, db_path: Path, ttl_s: float = 5.0) -> None:
         self.db_path = db_path
         self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._cache: OrderedDict[str, tuple[float, ApiKey | None, str | None]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._db: sqlite_utils.Database | None = None
+        self._keys: dict[str, tuple[ApiKey, str]] = {}  # replaced whole, never changed in place
+        self._loaded_at = -math.inf
+        self._lock = threading.Lock()  # one reload at a time
+        self._reloading: asyncio.Future[None] | None = None
+        self.reloads = 0
+
+    def stale(self) -> bool:
+        return time.monotonic() - self._loaded_at > self.ttl_s
+
+    def invalidate(self) -> None:
+        self._loaded_at = -math.inf
+
+    def reload(self) -> None:
+        """Read the whole key table (blocking: call it off the event loop)."""
+        started = time.monotonic()
+        with self._lock:
+            db = open_db(self.db_path)  # its own connection: reloads are rare and run on any worker thread
+            try:
+                rows = list(db["api_keys"].rows_where()) if db["api_keys"].exists() else []
+            finally:
+                db.close()
+            self._keys = {r["id"]: (_row_to_key(r), r["secret_sha256"]) for r in rows}
+            self._loaded_at = started
+            self.reloads += 1
 
     def verify(self, presented: str) -> ApiKey | None:
+        """From any thread but the event loop's."""
+        if self.stale():
+            self.reload()
+        return self.lookup(presented)
+
+    async def verify_async(self, presented: str) -> ApiKey | None:
+        """On the event loop: a stale table is reloaded in a worker thread, once for all who wait on it."""
+        if self.stale():
+            if self._reloading is None or self._reloading.done():
+                self._reloading = asyncio.ensure_future(asyncio.to_thread(self.reload))
+            try:
+                await asyncio.shield(self._reloading)
+            except sqlite3.ProgrammingError:
+                raise  # a bug here, not the database's state
+            except sqlite3.DatabaseError as e:  # locked, unreadable or damaged: the table held answers (retried next time)
+                log.warning("could not reload the API keys (%s); using the %d held", e, len(self._keys))
+        return self.lookup(presented)
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        """The key a presented secret belongs to, from the table in memory (no I/O)."""
         parsed = parse(presented)
         if parsed is None:
             return None
         key_id, secret = parsed
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key_id)
-            if hit is None or now - hit[0] > self.ttl_s:
-                hit = (now, *self._load(key_id))
-                self._cache[key_id] = hit
-                if len(self._cache) > self.max_entries:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key_id)
-        _, key, stored = hit
-        if key is None or stored is None or not key.active:
+        found = self._keys.get(key_id)
+        if found is None or not found[0].active:
             return None
+        key, stored = found
         # constant-time comparison of the hashes: timing reveals nothing about the secret
         return key if hmac.compare_digest(_hash(secret), stored) else None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._cache.clear()
-
-    def _load(self, key_id: str) -> tuple[ApiKey | None, str | None]:
-        if self._db is None:
-            self._db = open_db(self.db_path)
-        rows = list(self._db["api_keys"].rows_where("id = ?", [key_id]))
-        if not rows:
-            return None, None
-        return _row_to_key(rows[0]), rows[0]["secret_sha256"]

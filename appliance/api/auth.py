@@ -48,7 +48,7 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         token = _presented_key(scope)
-        key = self.verifier.verify(token) if token is not None else None
+        key = await self.verifier.verify_async(token) if token is not None else None
         if token is not None and key is None:
             if self.required:
                 await _deny(scope, receive, send, 401, "the API key is not valid or has been revoked", "invalid_api_key")

@@ -147,17 +147,64 @@ def test_keys_cli(tmp_path):
 
 
 
-def test_the_key_cache_stays_bounded_under_unknown_key_ids(tmp_path):
-    """Issue 15: +70 MiB per 20,000 requests with fresh key ids, nothing evicted. The cache keeps the
-    most recently used ids only, and a real key still verifies after a flood of unknown ones."""
+def test_unknown_key_ids_cost_no_query_and_no_memory(tmp_path):
+    """Issue 15: +70 MiB per 20,000 requests with fresh key ids. Issue 30: and a SQLite query on the event
+    loop for each. The verifier holds the issued keys only, reloaded as a whole at most once per ttl_s:
+    5,000 forged ids cost no reload, and a real key still verifies among them."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     _, secret = keys.create(cfg.database_path, "app")
-    verifier = keys.KeyVerifier(cfg.database_path, max_entries=100)
-    assert verifier.verify(secret) is not None
+    verifier = keys.KeyVerifier(cfg.database_path, ttl_s=3600)
+    assert verifier.verify(secret) is not None and verifier.reloads == 1
     forged = secret.split("_", 2)
     for i in range(5_000):
         assert verifier.verify(f"{forged[0]}_{i:012x}_{forged[2]}") is None
         if i % 50 == 0:
-            assert verifier.verify(secret) is not None  # in use: stays cached
-    assert len(verifier._cache) <= 100
-    assert verifier.verify(secret) is not None
+            assert verifier.verify(secret) is not None
+    assert verifier.reloads == 1 and len(verifier._keys) == 1
+
+
+def test_the_event_loop_never_reads_the_key_table(tmp_path, monkeypatch):
+    """verify_async reloads a stale table in a worker thread, one reload shared by concurrent requests;
+    a failing reload keeps the table held instead of failing the request."""
+    import asyncio
+    import sqlite3
+    import threading
+
+    cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
+    _, secret = keys.create(cfg.database_path, "app")
+    verifier = keys.KeyVerifier(cfg.database_path, ttl_s=3600)
+    reload, threads = verifier.reload, []
+
+    def slow_reload():
+        threads.append(threading.current_thread())
+        import time
+        time.sleep(0.2)
+        reload()
+
+    monkeypatch.setattr(verifier, "reload", slow_reload)
+
+    async def main():
+        loop_thread = threading.current_thread()
+        ticks = 0
+
+        async def ticker():  # the loop keeps running while the table loads
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        found = await asyncio.gather(*(verifier.verify_async(secret) for _ in range(20)))
+        t.cancel()
+        return loop_thread, ticks, found
+
+    loop_thread, ticks, found = asyncio.run(main())
+    assert all(k is not None for k in found) and len(threads) == 1 and threads[0] is not loop_thread
+    assert ticks >= 5, "the event loop stalled while the keys loaded"
+
+    def broken():
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(verifier, "reload", broken)
+    verifier.invalidate()
+    assert asyncio.run(verifier.verify_async(secret)) is not None  # the table held still answers
