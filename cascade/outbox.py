@@ -25,7 +25,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -102,6 +103,10 @@ class Outbox:
         self.max_age_s = max_age_s
         self.clock = clock
         self._create()
+        # What stats() serves: replaced whole after every write here, read without the lock. Writes by
+        # another process (`appliance escalations retry`) show after the next write here; the forwarder
+        # expires old rows on every poll, so that is within regional.forward_poll_s.
+        self._snapshot: tuple[dict[str, int], float | None] = self._count()
 
     def _create(self) -> None:
         t = self.db.table("escalations")
@@ -114,6 +119,21 @@ class Outbox:
     def close(self) -> None:
         self.db.conn.close()
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write: a durable transaction, then the counts stats() serves, both under the lock (in the
+        writer's worker thread: the event loop never waits on this lock or an fsync)."""
+        with self._lock:
+            with self.db.atomic():
+                yield
+            self._snapshot = self._count()
+
+    def _count(self) -> tuple[dict[str, int], float | None]:
+        counts = dict(self.db.execute("SELECT status, count(*) FROM escalations GROUP BY status").fetchall())
+        oldest = self.db.execute("SELECT min(created) FROM escalations WHERE status IN ('queued','sending')"
+                                 ).fetchone()[0]
+        return counts, oldest
+
     # -- writing --------------------------------------------------------------------------------
 
     def put(self, route: str, request: dict[str, Any], *, priority_class: str = "silver", tenant: str | None = None,
@@ -124,7 +144,7 @@ class Outbox:
                "request": json.dumps(request), "priority": PRIORITY.get(priority_class, 1), "tenant": tenant,
                "key_id": key_id, "reason": reason, "attempts": 0, "next_attempt": now, "last_error": None,
                "answer": None, "delivered": None, "sends": 0}
-        with self._lock, self.db.atomic():
+        with self._writing():
             if self._pending() >= self.max_pending:
                 raise OutboxFull(f"the escalation outbox holds {self.max_pending} waiting escalations "
                                  "(policy.outbox_max_pending)")
@@ -134,7 +154,7 @@ class Outbox:
     def claim(self, limit: int) -> list[Escalation]:
         """Take up to `limit` due rows, gold before silver before bronze, oldest first; mark them sending."""
         now = self.clock()
-        with self._lock, self.db.atomic():
+        with self._writing():
             rows = list(self.db.query(
                 "UPDATE escalations SET status='sending', sends=sends+1 WHERE id IN ("
                 " SELECT id FROM escalations WHERE status='queued' AND next_attempt<=?"
@@ -143,18 +163,18 @@ class Outbox:
 
     def mark_sending(self, esc_id: str) -> None:
         """The request path sends at once (sync mode): the row is written first, then marked, then sent."""
-        with self._lock, self.db.atomic():
+        with self._writing():
             self.db.execute("UPDATE escalations SET status='sending', sends=sends+1 WHERE id=?", [esc_id])
 
     def done(self, esc_id: str, answer: dict[str, Any]) -> None:
-        with self._lock, self.db.atomic():
+        with self._writing():
             self.db.execute("UPDATE escalations SET status='done', answer=?, delivered=?, last_error=NULL "
                             "WHERE id=? AND status!='done'", [json.dumps(answer), self.clock(), esc_id])
 
     def release(self, esc_id: str, error: str, retry_in_s: float = 0.0, counts: bool = False,
                 max_attempts: int | None = None) -> Status:
         """Back to the queue after a failed send (or to failed once max_attempts answered errors)."""
-        with self._lock, self.db.atomic():
+        with self._writing():
             r = self.db.execute("SELECT attempts FROM escalations WHERE id=?", [esc_id]).fetchone()
             if r is None:
                 return "failed"
@@ -166,24 +186,24 @@ class Outbox:
         return status
 
     def fail(self, esc_id: str, error: str) -> None:
-        with self._lock, self.db.atomic():
+        with self._writing():
             self.db.execute("UPDATE escalations SET status='failed', attempts=attempts+1, last_error=? WHERE id=?",
                             [error[:500], esc_id])
 
     def recover(self) -> int:
         """At start: rows left in `sending` by a crash go back to the queue (their key makes a resend safe)."""
-        with self._lock, self.db.atomic():
+        with self._writing():
             return self.db.execute("UPDATE escalations SET status='queued' WHERE status='sending'").rowcount
 
     def expire(self) -> int:
         cutoff = self.clock() - self.max_age_s
-        with self._lock, self.db.atomic():
+        with self._writing():
             return self.db.execute("UPDATE escalations SET status='expired', last_error='older than "
                                    "policy.outbox_max_age_s' WHERE status='queued' AND created<?", [cutoff]).rowcount
 
     def retry(self, ids: Iterable[str] | None = None) -> int:
         """Failed or expired rows back to the queue: the given ids, or all of them."""
-        with self._lock, self.db.atomic():
+        with self._writing():
             if ids is None:
                 sql, args = "status IN ('failed','expired')", []
             else:
@@ -205,7 +225,7 @@ class Outbox:
             ids = list(ids)
             where += f" AND id IN ({','.join('?' * len(ids))})"
             args += ids
-        with self._lock, self.db.atomic():
+        with self._writing():
             return self.db.execute(f"DELETE FROM escalations WHERE {where}", args).rowcount
 
     # -- reading --------------------------------------------------------------------------------
@@ -232,10 +252,9 @@ class Outbox:
         return self.db.execute("SELECT count(*) FROM escalations WHERE status IN ('queued','sending')").fetchone()[0]
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            counts = dict(self.db.execute("SELECT status, count(*) FROM escalations GROUP BY status").fetchall())
-            oldest = self.db.execute("SELECT min(created) FROM escalations WHERE status IN ('queued','sending')"
-                                     ).fetchone()[0]
+        """Counts by status, depth and the oldest pending age, as of this process's last write: no lock and
+        no query, so /metrics and the status page never wait on a commit."""
+        counts, oldest = self._snapshot
         return {"counts": {s: counts.get(s, 0) for s in STATUSES},
                 "depth": counts.get("queued", 0) + counts.get("sending", 0),
                 "oldest_age_s": self.clock() - oldest if oldest is not None else 0.0,

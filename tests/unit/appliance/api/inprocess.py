@@ -17,6 +17,7 @@ from appliance.api.gateway import Gateway, GatewaySettings
 from appliance.engine.supervisor import EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
+from cascade.service import Cascade
 
 
 @dataclass
@@ -33,25 +34,30 @@ def app(tmp_path: Path, required: bool, ttl: float = 5.0):
 
 
 def gateway(tmp_path: Path, required: bool, ttl: float = 5.0,
-            transport: httpx.AsyncBaseTransport | None = None, admission: AdmissionGate | None = None) -> InProcess:
+            transport: httpx.AsyncBaseTransport | None = None, admission: AdmissionGate | None = None,
+            cascade: Cascade | None = None) -> InProcess:
     """The app and the gateway behind it; `transport` stands in for the engine's port."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     log = RequestLog(cfg.database_path, keep_text=False)
     log.start()
-    gw = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, Metrics(),
-                 admission=admission, transport=transport)
+    metrics = Metrics()
+    if cascade is not None:
+        metrics.attach_cascade(cascade.status)
+    gw = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, 10.0), log, metrics,
+                 admission=admission, transport=transport, cascade=cascade)
     application = create_app(gw, plan=lambda: {"fits": True},
                              verifier=keys.KeyVerifier(cfg.database_path, ttl_s=ttl), keys_required=required)
     return InProcess(cfg, application, log, gw)
 
 
 def serving(tmp_path: Path, engine: Callable[[httpx.Request], httpx.Response],
-            admission: AdmissionGate | None = None) -> InProcess:
+            admission: AdmissionGate | None = None, cascade: Cascade | None = None) -> InProcess:
     """The gateway with `engine` answering on its engine port (httpx.MockTransport), the engine ready."""
     from appliance.engine.args import build_launch
     from appliance.engine.supervisor import EngineState
 
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=admission)
+    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine), admission=admission,
+                   cascade=cascade)
     made.gateway.supervisor.launch = build_launch(made.cfg, [], "k")
     made.gateway.supervisor.status.state = EngineState.READY
     return made
