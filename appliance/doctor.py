@@ -9,9 +9,9 @@ Every finding says what to do next.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sqlite3
-import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -191,40 +191,41 @@ def check_state(cfg: Config) -> list[Finding]:
 
 
 def check_regional(cfg: Config, probe_timeout_s: float = 3.0) -> list[Finding]:
+    """The link as the appliance itself would use it: the regional client, with its token file (refused
+    when others can read it), TLS files and base URL, asks GET /models. Blocking: run off the event loop."""
     r = cfg.regional
     if not r.enabled:
         return [Finding("regional", "skip", "regional escalation is not enabled")]
-    out: list[Finding] = []
-    token: str | None = None
-    if r.token_file is not None:
-        try:
-            st = r.token_file.stat()
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                out.append(Finding("regional", "fail", f"token file {r.token_file} is readable by others "
-                                                       f"(mode {stat.S_IMODE(st.st_mode):o})",
-                                   f"chmod 600 {r.token_file}"))
-            token = r.token_file.read_text().strip()
-        except OSError as e:
-            out.append(Finding("regional", "fail", f"cannot read token file {r.token_file}: {e.strerror}",
-                               "write the regional cluster's token into it (mode 600, owned by the service user)"))
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    verify: bool | str = str(r.ca_bundle) if r.ca_bundle else True
-    cert = (str(r.client_cert), str(r.client_key)) if r.client_cert and r.client_key else None
+    from appliance.escalation import regional_settings
+    from cascade.regional import RegionalClient, TLSFileError, TokenFileError
+
     try:
-        with httpx.Client(timeout=probe_timeout_s, verify=verify, cert=cert) as client:
-            resp = client.get(f"{r.base_url.rstrip('/')}/models", headers=headers)
-        if resp.status_code in (401, 403):
-            out.append(Finding("regional", "fail", f"{r.base_url} refused the token ({resp.status_code})",
-                               "check the token file's contents with the regional cluster's operator"))
-        elif resp.status_code >= 400:
-            out.append(Finding("regional", "warn", f"{r.base_url}/models answered {resp.status_code}"))
-        else:
-            out.append(Finding("regional", "ok", f"{r.base_url} answers"))
+        client = RegionalClient(regional_settings(cfg))
+    except TokenFileError as e:
+        return [Finding("regional", "fail", str(e), f"chmod 600 {r.token_file} and write the regional cluster's "
+                                                    "token into it (owned by the service user)")]
+    except TLSFileError as e:
+        return [Finding("regional", "fail", str(e), "install the CA bundle and client certificate the regional "
+                                                    "cluster's operator issued")]
+
+    async def ask() -> httpx.Response:
+        try:
+            return await client.models(probe_timeout_s)
+        finally:
+            await client.aclose()
+
+    try:
+        resp = asyncio.run(ask())
     except httpx.HTTPError as e:
-        out.append(Finding("regional", "warn", f"{r.base_url} is unreachable ({type(e).__name__}): escalations "
-                                               "queue in the outbox until it returns",
-                           "check the backhaul link, DNS and the firewall"))
-    return out
+        return [Finding("regional", "warn", f"{r.base_url} is unreachable ({type(e).__name__}): escalations "
+                                            "queue in the outbox until it returns",
+                        "check the backhaul link, DNS and the firewall")]
+    if resp.status_code in (401, 403):
+        return [Finding("regional", "fail", f"{r.base_url} refused the token ({resp.status_code})",
+                        "check the token file's contents with the regional cluster's operator")]
+    if resp.status_code >= 400:
+        return [Finding("regional", "warn", f"{r.base_url}/models answered {resp.status_code}")]
+    return [Finding("regional", "ok", f"{r.base_url} answers")]
 
 
 def setup_checks(cfg: Config, discovery: Discovery, model_check: ModelCheck | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from appliance.config import Config
 from appliance.metrics import Metrics
+from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders
 from cascade.outbox import Outbox
@@ -61,11 +62,12 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
         return None
     outbox = open_outbox(cfg)
     client = RegionalClient(regional_settings(cfg))
+    retry = RetryPolicy(max_attempts=cfg.regional.max_attempts)
     forwarder = Forwarder(outbox, client, concurrency=cfg.regional.forward_concurrency,
-                          poll_s=cfg.regional.forward_poll_s, max_attempts=cfg.regional.max_attempts,
+                          poll_s=cfg.regional.forward_poll_s, retry=retry,
                           on_result=metrics.observe_forward if metrics else (lambda outcome: None))
     cascade = Cascade(policy_config(cfg, local_context), outbox, client, forwarder,
-                      quantile=cfg.policy.thresholds.quantile)
+                      quantile=cfg.policy.thresholds.quantile, retry=retry)
     if metrics is not None:
         metrics.attach_cascade(cascade.status)
     return cascade

@@ -11,23 +11,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from cascade.delivery import RetryPolicy, deliver
 from cascade.outbox import Escalation, Outbox
-from cascade.regional import LinkDown, RegionalClient, RegionalFailed, RegionalRejected
+from cascade.regional import RegionalClient
 
 log = logging.getLogger(__name__)
 
 
 class Forwarder:
     def __init__(self, outbox: Outbox, client: RegionalClient, *, concurrency: int = 4, poll_s: float = 2.0,
-                 max_attempts: int = 10, retry_base_s: float = 5.0, retry_max_s: float = 600.0,
-                 on_result: Callable[[str], None] = lambda outcome: None) -> None:
+                 retry: RetryPolicy = RetryPolicy(), on_result: Callable[[str], None] = lambda outcome: None) -> None:
         self.outbox = outbox
         self.client = client
         self.concurrency = concurrency
         self.poll_s = poll_s
-        self.max_attempts = max_attempts
-        self.retry_base_s = retry_base_s
-        self.retry_max_s = retry_max_s
+        self.retry = retry
         self.on_result = on_result
         self._wake = asyncio.Event()
 
@@ -71,27 +69,11 @@ class Forwarder:
         return any(results)
 
     async def _send(self, esc: Escalation) -> bool:
-        try:
-            # The row holds the request exactly as it goes over the link (see service.regional_body).
-            answer = await self.client.complete(esc.route, esc.request, idempotency_key=esc.id,
-                                                priority_class=esc.priority_class, tenant=esc.tenant)
-        except LinkDown as e:
-            await asyncio.to_thread(self.outbox.release, esc.id, str(e))
-            self.on_result("link_down")
-            return False
-        except RegionalRejected as e:
-            await asyncio.to_thread(self.outbox.fail, esc.id, str(e))
-            log.warning("escalation %s refused by the regional cluster: %s", esc.id, e,
+        # The row holds the request exactly as it goes over the link (see service.regional_body).
+        sent = await deliver(self.client, self.outbox, esc.id, esc.route, esc.request, attempts=esc.attempts,
+                             priority_class=esc.priority_class, tenant=esc.tenant, retry=self.retry)
+        if sent.outcome == "rejected":
+            log.warning("escalation %s refused by the regional cluster: %s", esc.id, sent.error,
                         extra={"ESCALATION_ID": esc.id})
-            self.on_result("rejected")
-            return False
-        except RegionalFailed as e:
-            wait = min(self.retry_max_s, self.retry_base_s * 2 ** esc.attempts)
-            # At least as long as the cluster asked, when it said.
-            status = await asyncio.to_thread(self.outbox.release, esc.id, str(e), max(wait, e.retry_after_s or 0.0),
-                                             e.counts_as_attempt, self.max_attempts)
-            self.on_result("gave_up" if status == "failed" else "retry")
-            return False
-        await asyncio.to_thread(self.outbox.done, esc.id, answer.body)
-        self.on_result("delivered")
-        return True
+        self.on_result(sent.outcome)
+        return sent.outcome == "delivered"

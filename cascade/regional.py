@@ -176,10 +176,15 @@ class RegionalClient:
                 self._link(False)
                 raise LinkDown(f"the regional link failed mid-request ({type(e).__name__})") from None
 
+    async def models(self, timeout_s: float | None = None) -> httpx.Response:
+        """GET /models with this client's token and TLS (raises httpx.HTTPError when unreachable); the
+        breaker is not touched: the doctor's link check asks this."""
+        return await self.client.get("/models", timeout=timeout_s or self.settings.connect_timeout_s + 2)
+
     async def probe(self) -> bool:
         """A cheap reachability check (GET /models) that also drives the breaker."""
         try:
-            r = await self.client.get("/models", timeout=self.settings.connect_timeout_s + 2)
+            r = await self.models()
         except httpx.HTTPError:
             self._link(False)
             return False

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cascade import policy, signals
+from cascade.delivery import RetryPolicy, deliver
 from cascade.forwarder import Forwarder
 from cascade.outbox import Escalation, Outbox, OutboxFull
-from cascade.regional import LinkDown, RegionalAnswer, RegionalClient, RegionalError, RegionalFailed, RegionalRejected
+from cascade.regional import RegionalAnswer, RegionalClient
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,13 @@ def regional_body(request: dict[str, Any], regional_model: str, keep_model: bool
 
 class Cascade:
     def __init__(self, cfg: policy.PolicyConfig, outbox: Outbox, client: RegionalClient | None,
-                 forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE) -> None:
+                 forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE,
+                 retry: RetryPolicy = RetryPolicy()) -> None:
         self.cfg = cfg
         self.outbox = outbox
         self.client = client
         self.forwarder = forwarder
+        self.retry = retry  # the forwarder's own: one policy for every send
         self.quantile = quantile
         self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
 
@@ -92,25 +95,16 @@ class Cascade:
             self._queued(esc)
             return EscalationResult("queued", esc)
         await asyncio.to_thread(self.outbox.mark_sending, esc.id)
-        try:
-            answer = await self.client.complete(route, body, idempotency_key=esc.id, priority_class=priority_class,
-                                                tenant=tenant)
-        except RegionalRejected as e:
-            await asyncio.to_thread(self.outbox.fail, esc.id, str(e))
+        sent = await deliver(self.client, self.outbox, esc.id, route, body, attempts=esc.attempts,
+                             priority_class=priority_class, tenant=tenant, retry=self.retry)
+        if sent.outcome == "delivered":
+            self.counts["escalated"] += 1
+            return EscalationResult("answered", esc, sent.answer)
+        if sent.outcome in ("rejected", "gave_up"):
             self.counts["failed"] += 1
-            return EscalationResult("rejected", esc, error=str(e))
-        except (LinkDown, RegionalFailed) as e:
-            failed = e if isinstance(e, RegionalFailed) else None
-            wait = (failed.retry_after_s or 0.0) if failed is not None else 0.0
-            await asyncio.to_thread(self.outbox.release, esc.id, str(e), wait,
-                                    failed is not None and failed.counts_as_attempt)
-            self._queued(esc)
-            return EscalationResult("queued", esc, error=str(e))
-        except RegionalError as e:  # pragma: no cover - the three kinds above are all there are
-            raise AssertionError(e) from None
-        await asyncio.to_thread(self.outbox.done, esc.id, answer.body)
-        self.counts["escalated"] += 1
-        return EscalationResult("answered", esc, answer)
+            return EscalationResult("rejected", esc, error=sent.error)
+        self._queued(esc)  # link_down, retry: the forwarder sends it when the back-off is over
+        return EscalationResult("queued", esc, error=sent.error)
 
     def _queued(self, esc: Escalation) -> None:
         self.counts["queued"] += 1

@@ -284,3 +284,17 @@ def test_doctor_key_brings_the_live_findings_of_a_daemon_that_requires_keys(daem
         assert "kv_pressure" not in without
         assert without["daemon"]["status"] == "warn" and "--key" in without["daemon"]["advice"], without["daemon"]
         assert "401" in without["daemon"]["summary"] or "403" in without["daemon"]["summary"]
+
+
+def test_regional_check_uses_the_clients_tls_settings(tmp_path: Path, regional_server: str):
+    """The doctor asks through the regional client itself: a CA bundle that is not PEM is the failure the
+    daemon would meet (cascade.regional.tls_verify's words), not a different error of the doctor's own."""
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    tf = tmp_path / "token"
+    tf.write_text("good-token")
+    tf.chmod(0o600)
+    cfg = _cfg(tmp_path, f'[regional]\nenabled = true\nbase_url = "{regional_server}"\nmodel = "big"\n'
+                         f'token_file = "{tf}"\nca_bundle = "{bad}"\n')
+    (f,) = doctor.check_regional(cfg)
+    assert f.status == "fail" and f"regional.ca_bundle {bad} is not a readable PEM CA bundle" in f.summary

@@ -14,6 +14,7 @@ import pytest
 
 from appliance import config
 from appliance.escalation import regional_settings
+from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders, check_fairness_template, retry_after_s
 from cascade.outbox import Outbox
@@ -113,7 +114,7 @@ def test_the_forwarder_waits_as_asked_without_spending_an_attempt(tmp_path: Path
     seen: list[httpx.Request] = []
     client = _client(httpx.Response(503, headers={"x-llm-d-request-dropped-reason": "saturated",
                                                   "retry-after": "90"}), seen)
-    fwd = Forwarder(box, client, retry_base_s=5, max_attempts=1)
+    fwd = Forwarder(box, client, retry=RetryPolicy(max_attempts=1, base_s=5))
 
     async def go() -> None:
         await fwd.step()
