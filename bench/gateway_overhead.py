@@ -85,7 +85,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
 def cpu(procs: list[psutil.Process]) -> float:

@@ -104,7 +104,7 @@ async def main(args: argparse.Namespace) -> None:
         task.cancel()
         await client.aclose()
         st = box.stats()
-        problems = recorder.delivery_problems(dict(zip(ids, markers)))
+        problems = recorder.delivery_problems(dict(zip(ids, markers, strict=True)))
         applied = recorder.applied
         delivered = sum(1 for i in ids if applied[i] >= 1)
         resent = sum(recorder.received[i] for i in ids) - len([i for i in ids if recorder.received[i]])

@@ -48,7 +48,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
 def admission_toml(enabled: bool, targets: dict[str, float]) -> str:
@@ -160,7 +160,7 @@ def report(tag: str, res: dict[str, ClassResult], duration: float, targets: dict
 
 
 async def main(args: argparse.Namespace) -> None:
-    targets = dict(zip(CLASSES, (float(x) for x in args.targets.split(","))))
+    targets = dict(zip(CLASSES, (float(x) for x in args.targets.split(",")), strict=False))
     mix = [float(x) for x in args.mix.split(",")]
     apps = {"with": start("with", args.capacity, True, targets), "without": start("without", args.capacity, False, targets)}
     try:

@@ -51,7 +51,7 @@ _STATUS_HINTS = [
 ]
 
 
-class EngineState(str, enum.Enum):
+class EngineState(enum.StrEnum):
     STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"
@@ -116,7 +116,7 @@ def prepare_socket_dir(socket_path: Path) -> Path:
 def explain_exit(returncode: int, last_lines: list[str]) -> str:
     """One sentence for the operator: how the engine ended and, when we can tell, what to do."""
     guard_line = next(
-        (l for l in reversed(last_lines) if l.startswith(EXIT_LINE_PREFIX) and not _PGID_RE.match(l)), None
+        (line for line in reversed(last_lines) if line.startswith(EXIT_LINE_PREFIX) and not _PGID_RE.match(line)), None
     )
     if guard_line:
         how = guard_line[len(EXIT_LINE_PREFIX):].strip()
@@ -128,7 +128,7 @@ def explain_exit(returncode: int, last_lines: list[str]) -> str:
     for pattern, hint in _STATUS_HINTS:
         if pattern.search(tail):
             return f"{how}: {hint}"
-    errors = [l for l in last_lines if _ERROR_LINE.search(l) and not l.startswith(EXIT_LINE_PREFIX)]
+    errors = [line for line in last_lines if _ERROR_LINE.search(line) and not line.startswith(EXIT_LINE_PREFIX)]
     if errors:
         return f"{how}; last error: {errors[-1].strip()[:300]}"
     return how

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -342,7 +343,7 @@ def test_gold_takes_its_lent_reserve_back_without_waiting_for_an_answer(small):
         gold = _stream(app, secret["gold"], 4)
         assert gold["status"] == 200, gold
         _all_go_on_past(gold["answered"], (first, second), 30, explain)
-        gaps = sorted(b - a for a, b in zip(first.chunks, first.chunks[1:]) if a > gold["sent"] - 5)
+        gaps = sorted(b - a for a, b in pairwise(first.chunks) if a > gold["sent"] - 5)
     step = gaps[len(gaps) // 2]
     ttft = gold["first_token"] - gold["sent"]
     # One step to join the batch plus its own short prefill: a few steps, far from a silver answer's 8000.
@@ -376,7 +377,7 @@ def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small)
         gold.start()
         gold.join(300)
         assert gold.status == 200 and gold.ended_by_itself and not gold.errors, (gold.status, gold.errors, gold.failure)
-        gold_gaps = sorted(b - a for a, b in zip(gold.chunks, gold.chunks[1:]))
+        gold_gaps = sorted(b - a for a, b in pairwise(gold.chunks))
         assert gold_gaps[-1] < 10 * gold_gaps[len(gold_gaps) // 2], \
             f"gold's answer stopped for {gold_gaps[-1]:.3f}s (its median step {gold_gaps[len(gold_gaps) // 2]:.3f}s): preempted"
         # vLLM counts a preemption when the preempted request next produces output (its event rides on that
@@ -386,7 +387,7 @@ def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small)
         wait_for(lambda: preemptions() > before, 10, what=f"a preemption (vllm:num_preemptions_total was {before})",
                  explain=explain)
         after = preemptions()
-    during = lambda r: [b - a for a, b in zip(r.chunks, r.chunks[1:]) if sent <= a <= gold.chunks[-1]]
+    during = lambda r: [b - a for a, b in pairwise(r.chunks) if sent <= a <= gold.chunks[-1]]
     silver_gaps = sorted(during(first) + during(second))
     step, silver_pause = silver_gaps[len(silver_gaps) // 2], silver_gaps[-1]
     ttft = gold.chunks[0] - sent

@@ -124,7 +124,7 @@ def vllm_answers(request) -> dict[tuple[str, str, str, bool], Answer]:
                  for _, p, _ in keys]
         forced = list(answers)
         return [((device, *case), Answer(p, a, forced[f] if f is not None else None))
-                for (case, p, f), a in zip(keys, asked)]
+                for (case, p, f), a in zip(keys, asked, strict=True)]
 
     wanted = [d for d in DEVICES if any(item.callspec.params["case"][0] == d for item in request.session.items
                                         if "case" in getattr(getattr(item, "callspec", None), "params", {}))]
@@ -175,7 +175,7 @@ def _figures_agree(plan: Plan, vllm: probe.VllmFigures) -> None:
 
 @pytest.mark.parametrize("case", ALL, ids=[_ids(c) for c in ALL])
 def test_kvbudget_equals_vllm(vllm_answers, case):
-    device, name, kv, prefix = case
+    device, name, kv, _prefix = case
     answer = vllm_answers[case]
     if device in CPUS:
         isa = _isa(device)
@@ -215,7 +215,7 @@ def test_this_host_unemulated():
                     kv_pool_bytes=POOL)
     fp8 = make_plan(read_model(FIX / "smollm2-135m-instruct.json"), None, Targets(context=4096, kv_dtype="fp8"),
                     platform, kv_pool_bytes=POOL)
-    forced = fp8.vllm_args if fp8.engine.kv_dtype == "fp8" else fp8.vllm_args + ("--kv-cache-dtype", "fp8")
+    forced = fp8.vllm_args if fp8.engine.kv_dtype == "fp8" else (*fp8.vllm_args, "--kv-cache-dtype", "fp8")
     answers = probe.ask_many([_question("deepseek-v2-lite-chat", mla), _question("smollm2-135m-instruct", fp8),
                               probe.Question(FIX / "smollm2-135m-instruct.json", forced)], probe.THIS_MACHINE)
     mla_vllm, fp8_vllm, forced_vllm = answers
@@ -311,7 +311,7 @@ def test_eagle3_draft_tensor_and_decode_context_parallel_agree_with_vllm(tmp_pat
     models = {"eagle3": "llama-3.1-8b", "tp2": "qwen3-8b", "tp16-dcp2": "llama-3.1-8b", "hybrid-tp8-dcp2": "qwen3.6-27b"}
     answers = probe.ask_many([probe.Question(FIX / f"{models[k]}.json", p.vllm_args) for k, p in plans.items()],
                              probe.Device("cuda", h100.compute_capability, h100.name, h100.memory_bytes))
-    for (key, plan), vllm in zip(plans.items(), answers):
+    for (key, plan), vllm in zip(plans.items(), answers, strict=True):
         assert isinstance(vllm, probe.VllmFigures), f"{key}: {vllm}"
         assert (vllm.num_blocks, vllm.blocks_per_request, vllm.block_size) == (
             plan.capacity.num_blocks, plan.capacity.blocks_per_request, plan.layout.block_size), key

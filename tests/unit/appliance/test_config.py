@@ -138,7 +138,7 @@ def test_runtime_check_accepts_a_state_directory_it_will_create(tmp_path: Path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{blocked}/state"\n')
-    assert "cannot be created" in [str(p) for p in runtime_problems(cfg)][0]
+    assert "cannot be created" in next(str(p) for p in runtime_problems(cfg))
 
 
 # -- appliance init ------------------------------------------------------------------------------

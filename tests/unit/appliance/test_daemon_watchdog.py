@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from appliance import config
@@ -50,7 +51,7 @@ def test_a_wedged_event_loop_stops_the_watchdog_pings_until_it_turns_again(tmp_p
     monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
     cfg = _config(tmp_path)
     daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))
-    pings = lambda: [t for t, m in zip(listener.times, listener.messages) if m == "WATCHDOG=1"]
+    pings = lambda: [t for t, m in zip(listener.times, listener.messages, strict=False) if m == "WATCHDOG=1"]
     marks: dict[str, float] = {}
 
     def drive(loop: asyncio.AbstractEventLoop) -> None:
@@ -72,7 +73,7 @@ def test_a_wedged_event_loop_stops_the_watchdog_pings_until_it_turns_again(tmp_p
     finally:
         listener.close()
     times = pings()
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in pairwise(times)]
     wedge_gap = max(gaps)
     assert wedge_gap >= WEDGE_S - 0.1, f"pings went on while the loop was wedged: gaps {gaps}"
     assert wedge_gap > WATCHDOG_USEC / 1e6, "systemd would not have noticed"

@@ -18,7 +18,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _value(text: str, sample: str) -> float:
-    line = next(l for l in text.splitlines() if l.startswith(sample + " "))
+    line = next(ln for ln in text.splitlines() if ln.startswith(sample + " "))
     return float(line.rsplit(" ", 1)[1])
 
 

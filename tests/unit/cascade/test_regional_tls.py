@@ -95,9 +95,9 @@ def test_without_the_ca_bundle_the_server_is_not_trusted(pki):
 def test_no_tls_settings_leave_httpx_its_default_and_bad_files_are_named(tmp_path, pki):
     d, _ = pki
     assert tls_verify(settings(d, 1)) is True
-    with pytest.raises(TLSFileError, match="regional.ca_bundle .*missing.pem"):
+    with pytest.raises(TLSFileError, match=r"regional\.ca_bundle .*missing\.pem"):
         tls_verify(settings(d, 1, ca_bundle=tmp_path / "missing.pem"))
-    with pytest.raises(TLSFileError, match="regional.client_cert"):
+    with pytest.raises(TLSFileError, match=r"regional\.client_cert"):
         tls_verify(settings(d, 1, ca_bundle=d / "ca.pem", client_cert=d / "ca.pem"))  # a cert without its key
 
 

@@ -47,7 +47,7 @@ def test_the_level_can_be_forced_and_a_bad_name_is_refused(tmp_path, monkeypatch
     monkeypatch.setenv(FORCE_ENV, "amx")
     assert host_isa(_cpuinfo(tmp_path, HOSTS["avx2"])) == "amx"
     monkeypatch.setenv(FORCE_ENV, "avx1024")
-    with pytest.raises(CpuIsaError, match="unknown CPU instruction set 'avx1024'.*avx2, avx512, avx512-bf16, amx"):
+    with pytest.raises(CpuIsaError, match=r"unknown CPU instruction set 'avx1024'.*avx2, avx512, avx512-bf16, amx"):
         host_isa()
     monkeypatch.delenv(FORCE_ENV)
     assert host_isa(tmp_path / "missing") == "avx2"  # no cpuinfo: the level every x86-64 build runs on
@@ -79,7 +79,7 @@ def test_mla_follows_amx():
 
 
 def test_weights_without_a_cpu_kernel_are_refused_by_name():
-    with pytest.raises(PlanError, match="MXFP4 MoE weights need AMX.*avx512-bf16"):
+    with pytest.raises(PlanError, match=r"MXFP4 MoE weights need AMX.*avx512-bf16"):
         _plan("gpt-oss-20b", "avx512-bf16")
     assert _plan("gpt-oss-20b", "amx").fits
     with pytest.raises(PlanError, match="block-scaled FP8 weights need AMX"):

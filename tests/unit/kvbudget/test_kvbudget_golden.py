@@ -241,7 +241,7 @@ def test_plan_passes_an_exact_pool_of_whole_blocks():
 def test_no_fp8_flag_where_the_gpu_lacks_it():
     p = make_plan(model("llama-3.1-8b"), find_profile("RTX A6000"), Targets(context=8192))
     assert "--kv-cache-dtype" not in p.vllm_args and any("no FP8" in n for n in p.notes)
-    with pytest.raises(PlanError, match="compute capability 8.9"):
+    with pytest.raises(PlanError, match=r"compute capability 8\.9"):
         make_plan(model("llama-3.1-8b"), find_profile("RTX A6000"), Targets(kv_dtype="fp8"))
     with pytest.raises(PlanError, match="Blackwell"):
         make_plan(model("llama-3.1-8b"), find_profile("H100"), Targets(kv_dtype="fp4"))

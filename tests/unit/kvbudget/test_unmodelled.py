@@ -81,7 +81,7 @@ def test_without_an_engine_environment_the_plan_is_refused_not_guessed(tmp_path)
                              str(tmp_path / "no-python"))
     assert any("kvbudget model only" in n for n in plan.notes)
     jamba = FIXTURES / "unmodelled" / "jamba-tiny.json"
-    with pytest.raises(PlanError, match="attn_layer_period.*not an executable interpreter"):
+    with pytest.raises(PlanError, match=r"attn_layer_period.*not an executable interpreter"):
         with_vllm_figures(make_plan(read_model(jamba), l40s, Targets(context=4096), Platform("gpu")), jamba, device,
                           str(tmp_path / "no-python"))
 

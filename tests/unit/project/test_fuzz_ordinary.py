@@ -15,5 +15,5 @@ def test_ordinary_prompts_never_tokenize_to_nothing():
     # Plain st.text draws about 8 prompts in 20,000 that tokenize to nothing: enough that this can fail.
     texts = examples(prompt_texts(), 20_000, 20261125)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    empty = [t for t, i in zip(texts, ids) if not i]
+    empty = [t for t, i in zip(texts, ids, strict=True) if not i]
     assert not empty, f"{len(empty)} ordinary prompts tokenize to nothing, e.g. {empty[:5]!r}"

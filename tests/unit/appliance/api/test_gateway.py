@@ -13,7 +13,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def test_request_ids_from_clients_are_kept_only_when_plain(tmp_path):
-    cfg, application, log = app(tmp_path, required=False)
+    _cfg, application, log = app(tmp_path, required=False)
     try:
         async def go(rid: str) -> str:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t") as c:

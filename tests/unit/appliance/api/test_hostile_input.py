@@ -74,7 +74,7 @@ def test_a_surrogate_pair_is_ordinary_text(served):
 
 @pytest.mark.parametrize("depth", [65, 1_000, 100_000])
 def test_deep_nesting_is_a_400_before_any_parser_recurses(served, depth):
-    post, seen, made = served
+    post, seen, _made = served
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":' + b"[" * depth + b"]" * depth + b"}"
     r = post("/v1/chat/completions", raw)
     assert r.status_code == 400, r.text

@@ -200,7 +200,7 @@ def test_an_engine_silent_past_the_upstream_timeout_ends_the_stream_with_an_erro
         await send_chunk(writer, event(0))
         await asyncio.sleep(30)
 
-    with gateway_on(tmp_path, script, timeout_s=0.5) as (port, engine, _, db), loopback.client(timeout=10) as c:
+    with gateway_on(tmp_path, script, timeout_s=0.5) as (port, _engine, _, db), loopback.client(timeout=10) as c:
         t0 = time.monotonic()
         with c.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT) as r:
             body = b"".join(r.iter_raw())

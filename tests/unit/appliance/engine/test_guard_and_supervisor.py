@@ -220,6 +220,6 @@ def test_relaunch_with_new_arguments_is_not_a_failure(tmp_path: Path):
         await sup.stop()
         return old_pids, sup
 
-    old_pids, sup = asyncio.run(scenario())
+    old_pids, _sup = asyncio.run(scenario())
     assert "restarting: relaunching: speculative acceptance decayed" in seen
     wait_for(lambda: _gone(old_pids), 10, what="the old engine to be gone")

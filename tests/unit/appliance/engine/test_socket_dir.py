@@ -27,7 +27,7 @@ def test_made_private_and_a_stale_socket_removed():
 
 def test_a_directory_too_long_for_the_engines_sockets_is_refused_with_what_to_do():
     d = _short() / ("x" * (MAX_SOCKET_DIR + 1))
-    with pytest.raises(OSError, match="set engine.socket_dir to a shorter one"):
+    with pytest.raises(OSError, match=r"set engine\.socket_dir to a shorter one"):
         prepare_socket_dir(d / "api.sock")
     assert not d.exists()
 
