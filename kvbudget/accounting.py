@@ -199,42 +199,7 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
     if page <= 0:
         raise ValueError("KV page size is zero: check the KV dtype and head dimensions")
 
-    layer_specs: list[LayerSpec] = []
-    for kind in shape.layer_kinds:
-        if kind == "sliding":
-            layer_specs.append(LayerSpec("sliding", page, block, shape.sliding_window))
-        elif kind == "chunked":
-            layer_specs.append(LayerSpec("chunked", page, block, chunk_size=shape.attention_chunk_size))
-        else:
-            layer_specs.append(LayerSpec(kind, page, block))
-    # EAGLE/MTP draft attention layers join the same pool as full-attention layers.
-    draft_kind: LayerKind = "mla" if shape.mla_latent_dim else "full"
-    layer_specs += [LayerSpec(draft_kind, page, block)] * e.draft_layers
-
-    # get_kv_cache_groups: one group when every layer needs the same slots, else
-    # _get_kv_cache_groups_uniform_page_size (bucket by type, equal-size groups, padding).
-    buckets: dict[tuple, list[LayerSpec]] = {}
-    for spec in layer_specs:
-        key = (spec.kind if spec.kind != "mla" else "full", spec.sliding_window, spec.chunk_size)
-        buckets.setdefault(key, []).append(spec)
-    if len(buckets) == 1:
-        (only,) = buckets.values()
-        groups: tuple[Group, ...] = (Group(only[0].kind, len(only), only[0]),)
-        group_size = len(only)
-    else:
-        counts = [len(v) for v in buckets.values()]
-        group_size = min(counts)
-        if max(counts) < 1.5 * min(counts):
-            group_size = max(counts)
-        out = []
-        for specs in buckets.values():
-            n_groups = cdiv(len(specs), group_size)
-            for i in range(n_groups):
-                out.append(Group(specs[0].kind, len(specs[i::n_groups]), specs[0]))
-            pad = n_groups * group_size - len(specs)
-            if pad:
-                notes.append(f"{pad} padding layer(s) added to the {specs[0].kind} groups")
-        groups = tuple(out)
+    groups, group_size = _groups(_layer_specs(shape, e, page, block), notes)
     # _get_kv_cache_bytes_per_block (layer-outer): the widest group's pages (padding layers count).
     bytes_per_block = group_size * page
     return KvLayout(
@@ -250,6 +215,47 @@ def layout(shape: ModelShape, e: EngineShape) -> KvLayout:
         kv_heads_replicated=replicated,
         notes=tuple(notes),
     )
+
+
+def _layer_specs(shape: ModelShape, e: EngineShape, page: int, block: int) -> list[LayerSpec]:
+    """Every KV layer's spec, the model's in order, then the EAGLE/MTP draft's attention layers (they join
+    the same pool as full-attention layers)."""
+    specs: list[LayerSpec] = []
+    for kind in shape.layer_kinds:
+        if kind == "sliding":
+            specs.append(LayerSpec("sliding", page, block, shape.sliding_window))
+        elif kind == "chunked":
+            specs.append(LayerSpec("chunked", page, block, chunk_size=shape.attention_chunk_size))
+        else:
+            specs.append(LayerSpec(kind, page, block))
+    draft_kind: LayerKind = "mla" if shape.mla_latent_dim else "full"
+    return specs + [LayerSpec(draft_kind, page, block)] * e.draft_layers
+
+
+def _groups(layer_specs: list[LayerSpec], notes: list[str]) -> tuple[tuple[Group, ...], int]:
+    """get_kv_cache_groups: one group when every layer needs the same slots, else
+    _get_kv_cache_groups_uniform_page_size (bucket by type, equal-size groups, padding). Returns the groups
+    and the group size."""
+    buckets: dict[tuple, list[LayerSpec]] = {}
+    for spec in layer_specs:
+        key = (spec.kind if spec.kind != "mla" else "full", spec.sliding_window, spec.chunk_size)
+        buckets.setdefault(key, []).append(spec)
+    if len(buckets) == 1:
+        (only,) = buckets.values()
+        return (Group(only[0].kind, len(only), only[0]),), len(only)
+    counts = [len(v) for v in buckets.values()]
+    group_size = min(counts)
+    if max(counts) < 1.5 * min(counts):
+        group_size = max(counts)
+    out = []
+    for specs in buckets.values():
+        n_groups = cdiv(len(specs), group_size)
+        for i in range(n_groups):
+            out.append(Group(specs[0].kind, len(specs[i::n_groups]), specs[0]))
+        pad = n_groups * group_size - len(specs)
+        if pad:
+            notes.append(f"{pad} padding layer(s) added to the {specs[0].kind} groups")
+    return tuple(out), group_size
 
 
 def capacity(lay: KvLayout, e: EngineShape, pool_bytes: int) -> KvCapacity:

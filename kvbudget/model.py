@@ -227,6 +227,11 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], set[str]
             if t not in LAYER_TYPE_NAMES:
                 unknown.add(f"layer_types entry {t!r}")
             out.append(attn if kind == "attn" else kind)
+        if "linear" in out and cfg.get("linear_num_value_heads") is None:
+            # linear_attention layers without Gated DeltaNet's settings (MiniMax's lightning attention, Kimi's
+            # KDA): another recurrent state, which only vLLM's probe can size.
+            out = [attn if k == "linear" else k for k in out]
+            unknown.add("layer_types entry 'linear_attention' (not Gated DeltaNet: no linear_* settings)")
         return tuple(out), unknown
     return _layer_kinds_without_types(cfg, n, attn, mla, model_type), set()
 
@@ -320,17 +325,7 @@ def _quantization(cfg: dict[str, Any]) -> tuple[str | None, float | None]:
 
 def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     """The model's shape from a parsed config.json, with weights estimated (labelled as such)."""
-    if not isinstance(cfg, dict):
-        raise ModelError("config.json must hold a JSON object")
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else str(cfg.get("model_type", ""))
-    if not arch:
-        raise ModelError("config.json names no architecture (architectures / model_type)")
-    if not (arch.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")) or arch in GENERATIVE_ARCHITECTURES):
-        raise ModelError(
-            f"{arch} is not a causal language model (expected an architecture ending in ForCausalLM); "
-            "the appliance serves generative chat models"
-        )
+    arch = _generative_architecture(cfg)
     t = _with_defaults(text_config(cfg))
     n_layers = positive_int(t, "num_hidden_layers", "n_layer", "num_layers")
     heads = positive_int(t, "num_attention_heads", "n_head")
@@ -340,12 +335,6 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         raise ModelError(f"config.json num_key_value_heads must be a positive integer (got {kv_heads!r})")
     head_dim = t.get("head_dim") or t.get("attention_head_dim") or hidden // heads
     derived, unknown_types = _layer_kinds(t, n_layers)
-    if "linear" in derived and t.get("linear_num_value_heads") is None:
-        # linear_attention layers without Gated DeltaNet's settings (MiniMax's lightning attention, Kimi's
-        # KDA): another recurrent state, which only vLLM's probe can size.
-        derived = tuple("mla" if k == "linear" and t.get("kv_lora_rank") is not None else
-                        "full" if k == "linear" else k for k in derived)
-        unknown_types.add("layer_types entry 'linear_attention' (not Gated DeltaNet: no linear_* settings)")
     kinds = cast(tuple[LayerKind, ...], derived)
     dtype_bytes = _dtype_bytes(t.get("torch_dtype") or t.get("dtype") or cfg.get("torch_dtype"))
 
@@ -354,17 +343,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         mla_dim = int(t["kv_lora_rank"]) + int(t.get("qk_rope_head_dim") or 0)
 
     mamba = _mamba2(t, hidden, dtype_bytes) if "mamba" in kinds else None
-    linear = None
-    if "linear" in kinds:
-        linear = LinearAttention(
-            num_key_heads=positive_int(t, "linear_num_key_heads"),
-            num_value_heads=positive_int(t, "linear_num_value_heads"),
-            key_head_dim=positive_int(t, "linear_key_head_dim"),
-            value_head_dim=positive_int(t, "linear_value_head_dim"),
-            conv_kernel=positive_int(t, "linear_conv_kernel_dim"),
-            # Qwen3.5/3.6 set float32; Qwen3-Next leaves it to the model dtype (bf16).
-            ssm_dtype_bytes=_dtype_bytes(t.get("mamba_ssm_dtype"), default=dtype_bytes),
-        )
+    linear = _gated_deltanet(t, dtype_bytes) if "linear" in kinds else None
     window = t.get("sliding_window") if "sliding" in kinds else None
     quant, bits = _quantization(t)
     shape = ModelShape(
@@ -397,6 +376,33 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     )
     return replace(shape, weight_bytes=estimate_weight_bytes(shape), weight_bytes_exact=False,
                    notes=("weight bytes estimated from the architecture (no safetensors read)",))
+
+
+def _generative_architecture(cfg: Any) -> str:
+    if not isinstance(cfg, dict):
+        raise ModelError("config.json must hold a JSON object")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else str(cfg.get("model_type", ""))
+    if not arch:
+        raise ModelError("config.json names no architecture (architectures / model_type)")
+    if not (arch.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")) or arch in GENERATIVE_ARCHITECTURES):
+        raise ModelError(
+            f"{arch} is not a causal language model (expected an architecture ending in ForCausalLM); "
+            "the appliance serves generative chat models"
+        )
+    return str(arch)
+
+
+def _gated_deltanet(t: dict[str, Any], dtype_bytes: int) -> LinearAttention:
+    return LinearAttention(
+        num_key_heads=positive_int(t, "linear_num_key_heads"),
+        num_value_heads=positive_int(t, "linear_num_value_heads"),
+        key_head_dim=positive_int(t, "linear_key_head_dim"),
+        value_head_dim=positive_int(t, "linear_value_head_dim"),
+        conv_kernel=positive_int(t, "linear_conv_kernel_dim"),
+        # Qwen3.5/3.6 set float32; Qwen3-Next leaves it to the model dtype (bf16).
+        ssm_dtype_bytes=_dtype_bytes(t.get("mamba_ssm_dtype"), default=dtype_bytes),
+    )
 
 
 def _widest(size: Any) -> int | None:

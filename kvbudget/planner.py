@@ -5,11 +5,13 @@ Pure: values in, a Plan out. Discovery (NVML, files) happens before, rendering a
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 from kvbudget import cpu
 from kvbudget.accounting import (
     EngineShape,
+    KvCapacity,
     KvDtype,
     KvLayout,
     capacity,
@@ -147,10 +149,10 @@ def parallelism(model: ModelShape, platform: Platform) -> tuple[int, int, list[s
 CPU_DEVICE = GpuProfile("CPU", 0, 0.0, (0, 0), False, kind="cpu")
 
 
-def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targets(), platform: Platform = Platform(),
-              *, kv_pool_bytes: int | None = None, max_num_seqs: int | None = None) -> Plan:
-    """kv_pool_bytes fixes the pool (the CPU backend, or an operator's explicit size) instead of
-    deriving it from the GPU's memory; max_num_seqs fixes that setting instead of choosing it."""
+def _check_inputs(gpu: GpuProfile | None, targets: Targets, platform: Platform, kv_pool_bytes: int | None,
+                  max_num_seqs: int | None) -> GpuProfile:
+    """The device planned for (the CPU's stand-in on the CPU backend); PlanError for input that cannot be
+    planned, before anything is computed."""
     if platform.kind == "cpu":
         gpu = CPU_DEVICE
         if kv_pool_bytes is None:
@@ -170,134 +172,192 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         raise PlanError(f"context must be at least 16 tokens (got {targets.context})")
     if not 0 < platform.gpu_memory_utilization <= 1:
         raise PlanError("gpu_memory_utilization must be in (0, 1]")
-    notes: list[str] = []
-    findings: list[Finding] = []
-    tp, dcp, par_notes = parallelism(model, platform)
-    notes += par_notes
-    if platform.kind == "cpu":
-        refusal = cpu.weight_kernel_refusal(model.weight_format, platform.isa)
-        if refusal:
-            raise PlanError(f"{model.name} cannot run on this CPU: {refusal}")
-        if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.isa):
-            # vLLM's CPU platform forces both off for MLA models without AMX (CpuPlatform.check_and_update_config).
-            targets = replace(targets, prefix_caching=False)
-            notes.append(f"vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models "
-                         f"on a {platform.isa} host (AMX_MLA keeps them)")
-    kv_dtype, dtype_note = choose_kv_dtype(targets, gpu, platform, model)
-    if dtype_note:
-        notes.append(dtype_note)
+    return gpu
 
-    context = targets.context or min(DEFAULT_CONTEXT[targets.workload], model.max_position_embeddings or 10**9)
-    if model.max_position_embeddings and context > model.max_position_embeddings:
-        findings.append(Finding(
-            "context", f"{context:,} tokens", f"{model.max_position_embeddings:,} (max_position_embeddings)",
-            100 * (context - model.max_position_embeddings) / context,
-            ("a context beyond max_position_embeddings needs RoPE scaling (YaRN) configured in the model",
-             f"or target {model.max_position_embeddings:,} tokens"),
-        ))
 
+def _cpu_rules(model: ModelShape, targets: Targets, platform: Platform, notes: list[str]) -> Targets:
+    """What vLLM's CPU backend refuses or changes at the host's level (kvbudget.cpu)."""
+    if platform.kind != "cpu":
+        return targets
+    refusal = cpu.weight_kernel_refusal(model.weight_format, platform.isa)
+    if refusal:
+        raise PlanError(f"{model.name} cannot run on this CPU: {refusal}")
+    if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.isa):
+        # vLLM's CPU platform forces both off for MLA models without AMX (CpuPlatform.check_and_update_config).
+        notes.append(f"vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models "
+                     f"on a {platform.isa} host (AMX_MLA keeps them)")
+        return replace(targets, prefix_caching=False)
+    return targets
+
+
+def _context_findings(model: ModelShape, context: int) -> list[Finding]:
+    if not model.max_position_embeddings or context <= model.max_position_embeddings:
+        return []
+    return [Finding(
+        "context", f"{context:,} tokens", f"{model.max_position_embeddings:,} (max_position_embeddings)",
+        100 * (context - model.max_position_embeddings) / context,
+        ("a context beyond max_position_embeddings needs RoPE scaling (YaRN) configured in the model",
+         f"or target {model.max_position_embeddings:,} tokens"),
+    )]
+
+
+def _engine_shape(model: ModelShape, targets: Targets, platform: Platform, kv_dtype: KvDtype, block: int, tp: int,
+                  dcp: int, spec: Speculative, ctx: int) -> EngineShape:
+    return EngineShape(
+        max_model_len=ctx, kv_dtype=kv_dtype, block_size=block,
+        kernel_block=block if platform.kind == "cpu" else 16,
+        tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+        draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
+        max_concurrent_batches=1 if platform.kind == "cpu" else 2,
+        # with AVX512-BF16 vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
+        ssm_dtype_bytes=cpu.state_dtype_bytes(platform.isa) if platform.kind == "cpu" else None,
+        mamba_cache_mode="align" if targets.prefix_caching else "none",
+    )
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """The device's memory split before the KV pool is laid out."""
+
+    total: int
+    budget: int  # what vLLM may use: the card times gpu_memory_utilization, or the given pool plus the rest
+    weights: int
+    draft_weights: int
+    reserve: int
+
+    @property
+    def headroom(self) -> int:
+        return max(0, self.total - self.budget)
+
+    @property
+    def need(self) -> int:
+        return self.weights + self.draft_weights + self.reserve
+
+
+def _budget(model: ModelShape, gpu: GpuProfile, targets: Targets, platform: Platform, spec: Speculative, tp: int,
+            kv_pool_bytes: int | None) -> _Budget:
     weights = cdiv(model.weight_bytes, tp)
     reserve = reserve_bytes(model, targets, platform, tp)
-    if kv_pool_bytes is None:
-        total = gpu.memory_bytes
-        budget = int(total * platform.gpu_memory_utilization)
-    else:  # the pool is given; the rest of the card is whatever it is
-        total = gpu.memory_bytes
-        budget = kv_pool_bytes + weights + reserve
-    headroom = max(0, total - budget)
-
-    spec = choose_speculative(model, targets, platform, memory_tight=False)
     draft_w = cdiv(targets.draft_model_bytes, tp) if spec.method == "eagle3" and targets.draft_model_bytes else 0
+    if kv_pool_bytes is None:
+        budget = int(gpu.memory_bytes * platform.gpu_memory_utilization)
+    else:  # the pool is given; the rest of the card is whatever it is
+        budget = kv_pool_bytes + weights + reserve
+    return _Budget(gpu.memory_bytes, budget, weights, draft_w, reserve)
 
-    block = attention_block_size(model, gpu, platform, kv_dtype)
 
-    def shape_for(spec: Speculative, ctx: int) -> EngineShape:
-        return EngineShape(
-            max_model_len=ctx, kv_dtype=kv_dtype, block_size=block,
-            kernel_block=block if platform.kind == "cpu" else 16,
-            tp=tp, dcp=dcp, spec_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
-            draft_layers=draft_layers(spec, model, targets), max_num_batched_tokens=platform.batched_tokens(targets),
-            max_concurrent_batches=1 if platform.kind == "cpu" else 2,
-            # with AVX512-BF16 vLLM's CPU backend stores the recurrent state in float32 (platforms/cpu.py)
-            ssm_dtype_bytes=cpu.state_dtype_bytes(platform.isa) if platform.kind == "cpu" else None,
-            mamba_cache_mode="align" if targets.prefix_caching else "none",
-        )
+def _does_not_fit(b: _Budget, gpu: GpuProfile, platform: Platform) -> Finding:
+    bigger = _bigger_cards(lambda g: int(g.memory_bytes * platform.gpu_memory_utilization) > b.need + GiB, gpu)
+    return Finding(
+        "fit", "the model on this GPU", f"short by {(b.need - b.budget) / 1e9:.1f} GB",
+        100 * (b.need - b.budget) / b.need,
+        (f"weights alone are {b.weights / 1e9:.1f} GB per GPU against a usable {b.budget / 1e9:.1f} GB",
+         "a quantized checkpoint (FP8 halves bf16 weights, FP4 quarters them)",
+         *(f"a bigger card: {name}" for name in bigger[:2]),
+         "or more GPUs with tensor parallel (pipeline/expert sharding across boxes)"),
+    )
 
-    pool = kv_pool_bytes if kv_pool_bytes is not None else budget - weights - draft_w - reserve
+
+def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targets(), platform: Platform = Platform(),
+              *, kv_pool_bytes: int | None = None, max_num_seqs: int | None = None) -> Plan:
+    """kv_pool_bytes fixes the pool (the CPU backend, or an operator's explicit size) instead of
+    deriving it from the GPU's memory; max_num_seqs fixes that setting instead of choosing it."""
+    device = _check_inputs(gpu, targets, platform, kv_pool_bytes, max_num_seqs)
+    notes: list[str] = []
+    tp, dcp, par_notes = parallelism(model, platform)
+    notes += par_notes
+    targets = _cpu_rules(model, targets, platform, notes)
+    kv_dtype, dtype_note = choose_kv_dtype(targets, device, platform, model)
+    if dtype_note:
+        notes.append(dtype_note)
+    context = targets.context or min(DEFAULT_CONTEXT[targets.workload], model.max_position_embeddings or 10**9)
+    findings = _context_findings(model, context)
+    spec = choose_speculative(model, targets, platform, memory_tight=False)
+    b = _budget(model, device, targets, platform, spec, tp, kv_pool_bytes)
+    block = attention_block_size(model, device, platform, kv_dtype)
+    shape = partial(_engine_shape, model, targets, platform, kv_dtype, block, tp, dcp)
+    pool = kv_pool_bytes if kv_pool_bytes is not None else b.budget - b.need
     if pool <= 0:
-        need = weights + draft_w + reserve
-        mem = Memory(total, headroom, weights, draft_w, reserve, 0, 0)
-        bigger = _bigger_cards(lambda g: int(g.memory_bytes * platform.gpu_memory_utilization) > need + GiB, gpu)
-        findings.append(Finding(
-            "fit", "the model on this GPU", f"short by {(need - budget) / 1e9:.1f} GB",
-            100 * (need - budget) / need,
-            (f"weights alone are {weights / 1e9:.1f} GB per GPU against a usable {budget / 1e9:.1f} GB",
-             "a quantized checkpoint (FP8 halves bf16 weights, FP4 quarters them)",
-             *(f"a bigger card: {b}" for b in bigger[:2]),
-             "or more GPUs with tensor parallel (pipeline/expert sharding across boxes)"),
-        ))
-        eng = shape_for(spec, context)
-        return Plan(gpu, model, targets, platform, False, mem, eng, None, None, {}, 0, spec,
+        findings.append(_does_not_fit(b, device, platform))
+        mem = Memory(b.total, b.headroom, b.weights, b.draft_weights, b.reserve, 0, 0)
+        return Plan(device, model, targets, platform, False, mem, shape(spec, context), None, None, {}, 0, spec,
                     None, tuple(findings), tuple(notes), ())
-
-    eng = shape_for(spec, context)
+    eng = shape(spec, context)
     lay = layout(model, eng)
     cap = capacity(lay, eng, pool)
-    memory_tight = bool(targets.sessions and cap.max_concurrency < targets.sessions)
-    if memory_tight and spec.method == "none" and targets.workload != "tool-calling":
+    if targets.sessions and cap.max_concurrency < targets.sessions and spec.method == "none" \
+            and targets.workload != "tool-calling":
         tighter = choose_speculative(model, targets, platform, memory_tight=True)
         if tighter.method != spec.method:
-            spec = tighter
-            eng = shape_for(spec, context)
+            spec, eng = tighter, shape(tighter, context)
             lay = layout(model, eng)
             cap = capacity(lay, eng, pool)
     kv_pool = cap.num_blocks * lay.bytes_per_block
-    mem = Memory(total, headroom, weights, draft_w, reserve, kv_pool, pool - kv_pool)
+    mem = Memory(b.total, b.headroom, b.weights, b.draft_weights, b.reserve, kv_pool, pool - kv_pool)
     notes += list(lay.notes)
-
-    if model.state_layers and targets.prefix_caching:
-        # Without prefix caching vLLM keeps one state block per sequence instead of the align mode's two
-        # (three for Mamba2); the operator should know what the cache costs in sessions.
-        off = replace(eng, mamba_cache_mode="none")
-        n_off = capacity(layout(model, off), off, pool).max_concurrency
-        notes.append(f"prefix caching costs sessions on this hybrid model: {cap.max_concurrency:.2f} at {context:,} "
-                     f"tokens with it, {n_off:.2f} with --prefix-caching off (no reuse of shared prompt prefixes)")
-
-    sessions_at = {}
-    for ctx in sorted({*SESSION_CONTEXTS, context}):
-        if model.max_position_embeddings and ctx > model.max_position_embeddings:
-            continue
-        e = replace(eng, max_model_len=ctx)
-        sessions_at[ctx] = capacity(layout(model, e), e, pool).max_concurrency
-
-    if cap.num_blocks < lay.blocks_per_request(eng):
-        findings.append(Finding("context", f"one request of {context:,} tokens",
-                                f"{cap.max_concurrency:.2f} requests", 100 * (1 - cap.max_concurrency),
-                                _remedies(model, gpu, targets, platform, eng, pool, kv_dtype, 1, context)))
-    if targets.sessions and cap.max_concurrency < targets.sessions:
-        findings.append(Finding(
-            "sessions", f"{targets.sessions} sessions at {context:,} tokens", f"{cap.max_concurrency:.1f}",
-            100 * (targets.sessions - cap.max_concurrency) / targets.sessions,
-            _remedies(model, gpu, targets, platform, eng, pool, kv_dtype, targets.sessions, context),
-        ))
-
-    # Decode reads every weight (and the KV of the batch) once per step: a floor on TPOT.
-    tpot = None
-    if gpu.bandwidth_bytes_s:
-        tpot = 1000 * (weights + draft_w) / gpu.bandwidth_bytes_s
-        if targets.tpot_ms and tpot > targets.tpot_ms:
-            findings.append(Finding("tpot", f"{targets.tpot_ms:g} ms", f"at least {tpot:.1f} ms (memory bandwidth)",
-                                    100 * (tpot - targets.tpot_ms) / tpot,
-                                    ("a card with more memory bandwidth", "a quantized checkpoint (fewer bytes read per token)",
-                                     "speculative decoding (several tokens per weight read)")))
+    notes += _prefix_caching_cost(model, targets, eng, cap, pool)
+    findings += _capacity_findings(model, device, targets, platform, eng, lay, cap, pool)
+    tpot, tpot_findings = _tpot_floor(device, targets, b)
+    findings += tpot_findings
     if targets.ttft_p50_ms:
         notes.append(f"p50 TTFT target {targets.ttft_p50_ms:g} ms: prefill speed is measured, not planned; "
                      "admission control enforces it on live traffic")
-
     max_num_seqs = max_num_seqs or targets.sessions or _seqs_for(cap.max_concurrency)
     args = _vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching)
-    return Plan(gpu, model, targets, platform, True, mem, eng, lay, cap, sessions_at, max_num_seqs, spec, tpot,
-                tuple(findings), tuple(notes), tuple(args))
+    return Plan(device, model, targets, platform, True, mem, eng, lay, cap,
+                _sessions_at(model, eng, pool), max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args))
+
+
+def _prefix_caching_cost(model: ModelShape, targets: Targets, eng: EngineShape, cap: KvCapacity, pool: int) -> list[str]:
+    """Without prefix caching vLLM keeps one state block per sequence instead of the align mode's two
+    (three for Mamba2); the operator should know what the cache costs in sessions."""
+    if not (model.state_layers and targets.prefix_caching):
+        return []
+    off = replace(eng, mamba_cache_mode="none")
+    n_off = capacity(layout(model, off), off, pool).max_concurrency
+    return [f"prefix caching costs sessions on this hybrid model: {cap.max_concurrency:.2f} at "
+            f"{eng.max_model_len:,} tokens with it, {n_off:.2f} with --prefix-caching off (no reuse of shared prompt "
+            "prefixes)"]
+
+
+def _sessions_at(model: ModelShape, eng: EngineShape, pool: int) -> dict[int, float]:
+    out = {}
+    for ctx in sorted({*SESSION_CONTEXTS, eng.max_model_len}):
+        if model.max_position_embeddings and ctx > model.max_position_embeddings:
+            continue
+        e = replace(eng, max_model_len=ctx)
+        out[ctx] = capacity(layout(model, e), e, pool).max_concurrency
+    return out
+
+
+def _capacity_findings(model: ModelShape, gpu: GpuProfile, targets: Targets, platform: Platform, eng: EngineShape,
+                       lay: KvLayout, cap: KvCapacity, pool: int) -> list[Finding]:
+    out = []
+    context = eng.max_model_len
+    if cap.num_blocks < lay.blocks_per_request(eng):
+        out.append(Finding("context", f"one request of {context:,} tokens",
+                           f"{cap.max_concurrency:.2f} requests", 100 * (1 - cap.max_concurrency),
+                           _remedies(model, gpu, targets, platform, eng, pool, eng.kv_dtype, 1, context)))
+    if targets.sessions and cap.max_concurrency < targets.sessions:
+        out.append(Finding(
+            "sessions", f"{targets.sessions} sessions at {context:,} tokens", f"{cap.max_concurrency:.1f}",
+            100 * (targets.sessions - cap.max_concurrency) / targets.sessions,
+            _remedies(model, gpu, targets, platform, eng, pool, eng.kv_dtype, targets.sessions, context),
+        ))
+    return out
+
+
+def _tpot_floor(gpu: GpuProfile, targets: Targets, b: _Budget) -> tuple[float | None, list[Finding]]:
+    """Decode reads every weight (and the KV of the batch) once per step: a floor on TPOT."""
+    if not gpu.bandwidth_bytes_s:
+        return None, []
+    tpot = 1000 * (b.weights + b.draft_weights) / gpu.bandwidth_bytes_s
+    if not (targets.tpot_ms and tpot > targets.tpot_ms):
+        return tpot, []
+    return tpot, [Finding("tpot", f"{targets.tpot_ms:g} ms", f"at least {tpot:.1f} ms (memory bandwidth)",
+                          100 * (tpot - targets.tpot_ms) / tpot,
+                          ("a card with more memory bandwidth", "a quantized checkpoint (fewer bytes read per token)",
+                           "speculative decoding (several tokens per weight read)"))]
 
 
 def _vllm_args(lay: KvLayout, eng: EngineShape, kv_pool: int, max_num_seqs: int, spec: Speculative,

@@ -74,52 +74,15 @@ def plan_dict(p: Plan) -> dict[str, Any]:
 
 
 def plan_text(p: Plan) -> str:
-    m = p.memory
     lines = [
         f"Plan for {p.model.name} ({p.model.architecture}) on "
         + (f"the CPU backend ({p.platform.cpu_isa} host, fixed KV pool)" if p.platform.kind == "cpu" else
            f"{p.platform.gpu_count} x {p.gpu.name}" + ("" if p.gpu.memory_is_nvml_total else " (nominal memory)")),
         "",
-        "Memory per GPU" if m.total else "Memory",
+        *_memory_lines(p),
     ]
-    if m.total:
-        lines += [
-            f"  total                         {gb(m.total)}",
-            f"  headroom (held back)          {gb(m.headroom)}  ({(1 - p.platform.gpu_memory_utilization) * 100:.0f}%)",
-        ]
-    lines.append(f"  weights                       {gb(m.weights)}" + ("" if p.model.weight_bytes_exact else "  (estimated)"))
-    if m.draft_weights:
-        lines.append(f"  draft weights                 {gb(m.draft_weights)}")
-    if m.reserve:
-        lines.append(f"  activation + graph reserve    {gb(m.reserve)}  (estimated)")
-    lines.append(f"  KV pool                       {gb(m.kv_pool)}")
     if p.layout and p.capacity:
-        lay, cap, e = p.layout, p.capacity, p.engine
-        lines += [
-            "",
-            f"KV cache ({'model dtype' if e.kv_dtype == 'auto' else e.kv_dtype}, block {lay.block_size} tokens)",
-            f"  per-token KV                  {lay.per_token_kv_bytes:,.0f} B over {p.model.kv_layers} of "
-            f"{p.model.num_layers} layers",
-        ]
-        if lay.mamba_page_real:
-            lines.append(
-                f"  per-sequence linear state     {lay.per_sequence_state_bytes(e):,} B as allocated "
-                f"({p.model.state_layers} layers x {lay.mamba_page_real:,} B real, page padded "
-                f"{lay.mamba_padding_pct:.2f}%, {e.mamba_cache_mode} mode)"
-            )
-        lines += [
-            f"  groups x layers               {len(lay.groups)} x {lay.group_size}; one block id = {lay.bytes_per_block:,} B",
-            f"  blocks                        {cap.num_blocks:,} ({cap.blocks_per_request} per request at {e.max_model_len:,} tokens)",
-            f"  KV tokens (vLLM log)          {cap.tokens_reported:,}   [vLLM <= 0.19 logged {cap.tokens_reported_legacy:,}]",
-            f"  max concurrency               {cap.max_concurrency:.2f} requests at {e.max_model_len:,} tokens",
-            "",
-            "Sessions that fit, by context length",
-        ]
-        for ctx, n in p.sessions_at.items():
-            lines.append(f"  {ctx:>9,} tokens             {n:,.1f}")
-        if p.tpot_floor_ms:
-            lines.append(f"\nDecode floor (weights / bandwidth): {p.tpot_floor_ms:.1f} ms per token")
-        lines += ["", "Reality check against a per-token estimate"] + [f"  - {r}" for r in reality_check(p)]
+        lines += _kv_lines(p)
     lines += ["", f"Speculative decoding: {p.speculative.method} ({p.speculative.reason})"]
     if p.findings:
         lines += ["", "TARGETS NOT MET" if p.fits else "DOES NOT FIT"]
@@ -137,6 +100,53 @@ def plan_text(p: Plan) -> str:
     if p.vllm_args:
         lines += ["", "vLLM arguments", "  " + shlex.join(p.vllm_args)]
     return "\n".join(lines)
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    m = p.memory
+    lines = ["Memory per GPU" if m.total else "Memory"]
+    if m.total:
+        lines += [
+            f"  total                         {gb(m.total)}",
+            f"  headroom (held back)          {gb(m.headroom)}  ({(1 - p.platform.gpu_memory_utilization) * 100:.0f}%)",
+        ]
+    lines.append(f"  weights                       {gb(m.weights)}" + ("" if p.model.weight_bytes_exact else "  (estimated)"))
+    if m.draft_weights:
+        lines.append(f"  draft weights                 {gb(m.draft_weights)}")
+    if m.reserve:
+        lines.append(f"  activation + graph reserve    {gb(m.reserve)}  (estimated)")
+    lines.append(f"  KV pool                       {gb(m.kv_pool)}")
+    return lines
+
+
+def _kv_lines(p: Plan) -> list[str]:
+    lay, cap, e = p.layout, p.capacity, p.engine
+    assert lay is not None and cap is not None
+    lines = [
+        "",
+        f"KV cache ({'model dtype' if e.kv_dtype == 'auto' else e.kv_dtype}, block {lay.block_size} tokens)",
+        f"  per-token KV                  {lay.per_token_kv_bytes:,.0f} B over {p.model.kv_layers} of "
+        f"{p.model.num_layers} layers",
+    ]
+    if lay.mamba_page_real:
+        lines.append(
+            f"  per-sequence linear state     {lay.per_sequence_state_bytes(e):,} B as allocated "
+            f"({p.model.state_layers} layers x {lay.mamba_page_real:,} B real, page padded "
+            f"{lay.mamba_padding_pct:.2f}%, {e.mamba_cache_mode} mode)"
+        )
+    lines += [
+        f"  groups x layers               {len(lay.groups)} x {lay.group_size}; one block id = {lay.bytes_per_block:,} B",
+        f"  blocks                        {cap.num_blocks:,} ({cap.blocks_per_request} per request at {e.max_model_len:,} tokens)",
+        f"  KV tokens (vLLM log)          {cap.tokens_reported:,}   [vLLM <= 0.19 logged {cap.tokens_reported_legacy:,}]",
+        f"  max concurrency               {cap.max_concurrency:.2f} requests at {e.max_model_len:,} tokens",
+        "",
+        "Sessions that fit, by context length",
+    ]
+    for ctx, n in p.sessions_at.items():
+        lines.append(f"  {ctx:>9,} tokens             {n:,.1f}")
+    if p.tpot_floor_ms:
+        lines.append(f"\nDecode floor (weights / bandwidth): {p.tpot_floor_ms:.1f} ms per token")
+    return [*lines, "", "Reality check against a per-token estimate", *(f"  - {r}" for r in reality_check(p))]
 
 
 def reality_check(p: Plan) -> list[str]:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -25,6 +25,8 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
                verifier: KeyVerifier | None = None, keys_required: bool = False,
                status: Callable[[], dict[str, Any]] | None = None,
                doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> FastAPI:
+    """The app: one router per feature, in the order the router tries them (the generation routes first:
+    they carry nearly every request), then the key check and the fault barrier around them."""
     app = FastAPI(
         title="Edge LLM appliance",
         version=__version__,
@@ -34,23 +36,44 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
     install_handlers(app)
     if verifier is not None:
         app.add_middleware(ApiKeyAuth, verifier=verifier, required=keys_required)
-    supervisor = gateway.supervisor
+    for router in (generation_routes(gateway), health_routes(gateway), operator_routes(gateway, plan, status, doctor),
+                   escalation_routes(gateway)):
+        app.include_router(router)
+    # Added last, so outermost: it also catches a fault in the key middleware.
+    app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)
+    return app
 
-    # The generation routes first: the router tries routes in order, and these carry nearly every request.
-    @app.post("/v1/chat/completions")
+
+def generation_routes(gateway: Gateway) -> APIRouter:
+    """What the engine answers, through the gateway: chat, completions and the model list."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await gateway.generate(request, "/v1/chat/completions", ChatCompletionRequest)
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, "/v1/completions", CompletionRequest)
 
-    @app.get("/healthz")
+    @router.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return await gateway.list_models(request)
+
+    return router
+
+
+def health_routes(gateway: Gateway) -> APIRouter:
+    """Liveness, readiness and the Prometheus scrape: no I/O, answered from memory."""
+    router = APIRouter()
+    supervisor = gateway.supervisor
+
+    @router.get("/healthz")
     async def healthz() -> dict[str, Any]:
         """The appliance process is alive and its event loop answers."""
         return {"status": "alive", "engine": supervisor.status.state.value}
 
-    @app.get("/readyz")
+    @router.get("/readyz")
     async def readyz() -> Response:
         """200 only while the engine serves; 503 with the reason while loading, restarting or failed."""
         st = supervisor.status
@@ -59,7 +82,7 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(gateway.settings.retry_after_s)})
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text format: the gateway's figures and the engine's key figures."""
         if gateway.metrics is None:
@@ -69,21 +92,31 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
             gateway.metrics.observe_admission(gateway.admission.load())
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/appliance/status")
+    return router
+
+
+def operator_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
+                    status: Callable[[], dict[str, Any]] | None,
+                    doctor: Callable[[], Awaitable[dict[str, Any]]] | None) -> APIRouter:
+    """/v1/appliance/*: the operator's view of this box (admin scope where keys are required)."""
+    router = APIRouter(prefix="/v1/appliance")
+
+    def provided(what: Callable[..., Any] | None, name: str) -> Callable[..., Any]:
+        if what is None:
+            raise ApiError(404, f"no {name} in this daemon", code="not_found")
+        return what
+
+    @router.get("/status")
     async def appliance_status() -> dict[str, Any]:
         """Version, engine state, model digest and pin, plan summary, devices."""
-        if status is None:
-            raise ApiError(404, "no status in this daemon", code="not_found")
-        return status()
+        return provided(status, "status")()
 
-    @app.get("/v1/appliance/doctor")
+    @router.get("/doctor")
     async def appliance_doctor() -> dict[str, Any]:
         """Setup checks and the troubleshooting recipes applied to the engine's live metrics."""
-        if doctor is None:
-            raise ApiError(404, "no doctor in this daemon", code="not_found")
-        return await doctor()
+        return await provided(doctor, "doctor")()
 
-    @app.get("/v1/appliance/requests")
+    @router.get("/requests")
     async def appliance_requests() -> dict[str, Any]:
         """The generation requests the gateway holds now, oldest first: phase, age, and for a stream the
         chunks read from the engine and handed to the client (with the seconds since each last moved)."""
@@ -94,14 +127,27 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
             out["admission"] = {"in_flight": dict(load.in_flight), "queued": dict(load.queued)}
         return out
 
-    @app.get("/v1/appliance/plan")
+    @router.get("/plan")
     async def appliance_plan() -> dict[str, Any]:
         """The KV budget and engine settings the daemon started the engine with."""
-        if plan is None:
-            raise ApiError(404, "no plan in this daemon", code="not_found")
-        return plan()
+        return provided(plan, "plan")()
 
-    @app.get("/v1/escalations")
+    return router
+
+
+def _owner_filter(request: Request) -> str | None:
+    """None: may see all. A key that is not an admin key sees its own escalations only."""
+    key = request.scope.get("state", {}).get("api_key")
+    if key is None or key.admin:
+        return None
+    return key.id
+
+
+def escalation_routes(gateway: Gateway) -> APIRouter:
+    """/v1/escalations: what was sent to the regional cluster, and its answers (read in a worker thread)."""
+    router = APIRouter(prefix="/v1/escalations")
+
+    @router.get("")
     async def list_escalations(request: Request, status: str | None = None, limit: str = "50") -> dict[str, Any]:
         """Escalations, newest first: every one for an admin key (or on loopback without keys), else the
         caller's own. Summaries only; the answer is at /v1/escalations/{id}."""
@@ -117,7 +163,7 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
         rows = await asyncio.to_thread(gateway.cascade.outbox.list, status, owner, int(limit))
         return {"object": "list", "data": [e.summary() for e in rows]}
 
-    @app.get("/v1/escalations/{esc_id}")
+    @router.get("/{esc_id}")
     async def get_escalation(request: Request, esc_id: str) -> dict[str, Any]:
         """One escalation with the regional answer once it has arrived."""
         esc = await asyncio.to_thread(gateway.cascade.outbox.get, esc_id) if gateway.cascade is not None else None
@@ -126,17 +172,4 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
             raise ApiError(404, f"no escalation with id {esc_id!r}", code="escalation_not_found", param="id")
         return {**esc.summary(), "answer": esc.answer}
 
-    def _owner_filter(request: Request) -> str | None:
-        """None: may see all. A key that is not an admin key sees its own escalations only."""
-        key = request.scope.get("state", {}).get("api_key")
-        if key is None or key.admin:
-            return None
-        return key.id
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        return await gateway.list_models(request)
-
-    # Added last, so outermost: it also catches a fault in the key middleware.
-    app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)
-    return app
+    return router

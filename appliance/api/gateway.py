@@ -38,7 +38,7 @@ from appliance.api.relay import EventFilter, prepended, refused_at_start, relay
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
-from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink
+from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink, Upstream
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
@@ -329,19 +329,31 @@ class Gateway:
         if job.decision is not None:
             headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
         if upstream.status_code != 200 or not job.stream:
-            job.flight.enter("reading")
-            try:
-                content = await read_or_leave(request, upstream)
-            except ClientGone:
-                return self.recorder.client_gone(rec, t0)
-            except UPSTREAM_ERRORS:
-                return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
-            finally:
-                lease.end()  # the engine is done with it, whatever the judging below still does
-            if job.judge and upstream.status_code == 200:
-                return await self.routing.judged(job, content, headers)
-            return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
-        # The first event before the client's headers: an error there is a refusal, not a 200 stream.
+            return await self._answer_whole(request, upstream, job, lease, headers)
+        return await self._answer_stream(request, upstream, job, lease, admitted, headers)
+
+    async def _answer_whole(self, request: Request, upstream: Upstream, job: Job, lease: Lease,
+                            headers: dict[str, str]) -> Response:
+        """A whole answer (or the engine's refusal): read, judged when the cascade asks, recorded."""
+        rec, t0 = job.rec, job.t0
+        job.flight.enter("reading")
+        try:
+            content = await read_or_leave(request, upstream)
+        except ClientGone:
+            return self.recorder.client_gone(rec, t0)
+        except UPSTREAM_ERRORS:
+            return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
+        finally:
+            lease.end()  # the engine is done with it, whatever the judging below still does
+        if job.judge and upstream.status_code == 200:
+            return await self.routing.judged(job, content, headers)
+        return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
+
+    async def _answer_stream(self, request: Request, upstream: Upstream, job: Job, lease: Lease, admitted: float,
+                             headers: dict[str, str]) -> Response:
+        """A stream: its first event read before the client's headers (an error there is a refusal, not a
+        200 stream), then spliced or relayed with the request's event filter."""
+        rec, t0 = job.rec, job.t0
         chunks = upstream.aiter_raw()
         ended: Response | None = None
         try:

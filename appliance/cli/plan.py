@@ -11,7 +11,8 @@ import click
 from appliance.cli.common import EXIT_FAILED, CliError, choice, config_option, load_config, size
 from kvbudget.accounting import KvDtype
 from kvbudget.cpu import CPU_ISAS
-from kvbudget.plan_types import Workload
+from kvbudget.plan_types import Platform, Workload
+from kvbudget.profiles import GpuProfile
 
 
 @click.command("plan")
@@ -53,13 +54,11 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     bad input or a plan vLLM refuses.
     """
     from appliance.planning import device_for, targets_from_config, with_draft, with_vllm_figures
-    from kvbudget.cpu import host_isa
-    from kvbudget.gpu import discover
     from kvbudget.model import ModelError
     from kvbudget.model_files import read_model
-    from kvbudget.plan_types import PlanError, Platform, Targets
+    from kvbudget.plan_types import PlanError, Targets
     from kvbudget.planner import make_plan, require_modelled
-    from kvbudget.profiles import UnknownGpu, custom_profile, find_profile, profile_from_discovery
+    from kvbudget.profiles import UnknownGpu
     from kvbudget.render import plan_dict, plan_text
 
     cfg = load_config(config_path) if config_path or (model_path is None) else None
@@ -78,26 +77,9 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
         model = read_model(path)
         pool = size(kv_pool) if kv_pool else (
             int(cfg.engine.kv_cache_memory_bytes) if cfg and cfg.engine.kv_cache_memory_bytes else None)
-        discovered = False
         if cpu_isa and not cpu_backend:
             raise click.UsageError("--cpu-isa plans for the CPU backend: give --cpu with it")
-        if cpu_backend:
-            gpu, platform = None, Platform("cpu", cpu_isa=cpu_isa or host_isa())
-        else:
-            platform = Platform("gpu", gpu_count=gpus)
-            if gpu_name:
-                gpu = find_profile(gpu_name)
-            elif gpu_memory:
-                major, _, minor = gpu_cc.partition(".")
-                gpu = custom_profile(size(gpu_memory) or 0, (int(major), int(minor or 0)))
-            else:
-                found = discover()
-                if not found.found:
-                    raise CliError(f"{found.error}; name a GPU with --gpu (for example \"RTX PRO 6000 Blackwell\"), "
-                                   "give --gpu-memory, or plan for --cpu")
-                gpu = profile_from_discovery(found.gpus[0])
-                platform = Platform("gpu", gpu_count=len(found.gpus) if gpus == 1 else gpus)
-                discovered = True
+        gpu, platform, discovered = _device(cpu_backend, cpu_isa, gpu_name, gpu_memory, gpu_cc, gpus)
         plan = make_plan(model, gpu, targets, platform, kv_pool_bytes=pool,
                          max_num_seqs=cfg.engine.max_num_seqs if cfg else None)
         if model_only:
@@ -109,6 +91,29 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
         raise CliError(str(e)) from None
     click.echo(json.dumps(plan_dict(plan), indent=2) if as_json else plan_text(plan))
     sys.exit(0 if plan.targets_met else EXIT_FAILED)
+
+
+def _device(cpu_backend: bool, cpu_isa: str | None, gpu_name: str | None, gpu_memory: str | None, gpu_cc: str,
+            gpus: int) -> tuple[GpuProfile | None, Platform, bool]:
+    """What to plan for: the CPU backend (this host's level, or --cpu-isa), a named card, a card of a given
+    memory, or the GPU NVML finds here (the last says it was discovered: vLLM is then asked about it as is)."""
+    from kvbudget.cpu import check_isa, host_isa
+    from kvbudget.gpu import discover
+    from kvbudget.profiles import custom_profile, find_profile, profile_from_discovery
+
+    if cpu_backend:
+        return None, Platform("cpu", cpu_isa=check_isa(cpu_isa) if cpu_isa else host_isa()), False
+    if gpu_name:
+        return find_profile(gpu_name), Platform("gpu", gpu_count=gpus), False
+    if gpu_memory:
+        major, _, minor = gpu_cc.partition(".")
+        return custom_profile(size(gpu_memory) or 0, (int(major), int(minor or 0))), Platform("gpu", gpu_count=gpus), False
+    found = discover()
+    if not found.found:
+        raise CliError(f"{found.error}; name a GPU with --gpu (for example \"RTX PRO 6000 Blackwell\"), "
+                       "give --gpu-memory, or plan for --cpu")
+    return (profile_from_discovery(found.gpus[0]), Platform("gpu", gpu_count=len(found.gpus) if gpus == 1 else gpus),
+            True)
 
 
 @click.command("gpus")

@@ -82,6 +82,16 @@ def main(argv: list[str]) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_stop)
 
+    child = _start_engine(cmd)
+    status = _wait_for_engine(child, grace, stopping)
+    # vLLM is gone: nothing it started may stay behind.
+    _kill_group(child, signal.SIGKILL)
+    _reap_all()
+    return _exit_code(status)
+
+
+def _start_engine(cmd: list[str]) -> int:
+    """The engine in a process group of its own (the guard kills the group), dying with the guard."""
     child = os.fork()
     if child == 0:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -94,16 +104,19 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"{EXIT_LINE_PREFIX} cannot execute {cmd[0]}: {e}", file=sys.stderr, flush=True)
             os._exit(127)
-
     try:
         os.setpgid(child, child)  # also here, so there is no window where it is unset
     except (PermissionError, ProcessLookupError):
         pass  # the child already did it, or already exec'd / exited
     print(f"{EXIT_LINE_PREFIX} engine pgid {child}", file=sys.stderr, flush=True)
+    return child
 
-    status = None
+
+def _wait_for_engine(child: int, grace: float, stopping: dict[str, int]) -> int | None:
+    """The engine's wait status once it ends; a stop signal is passed on as SIGTERM, then SIGKILL after
+    `grace` seconds. None when the child was already reaped."""
     forwarded_at = None
-    while status is None:
+    while True:
         if stopping["sig"] and forwarded_at is None:
             _kill_group(child, signal.SIGTERM)
             forwarded_at = time.monotonic()
@@ -114,25 +127,22 @@ def main(argv: list[str]) -> int:
         try:
             pid, st = os.waitpid(child, os.WNOHANG)
         except ChildProcessError:
-            break
+            return None
         if pid == child:
-            status = st
-        else:
-            time.sleep(0.05)
+            return st
+        time.sleep(0.05)
 
-    # vLLM is gone: nothing it started may stay behind.
-    _kill_group(child, signal.SIGKILL)
-    _reap_all()
 
+def _exit_code(status: int | None) -> int:
+    """The engine's exit status as the guard's own, said on the exit line the supervisor reads."""
     if status is None:
-        code = 1
-    elif os.WIFSIGNALED(status):
+        return 1
+    if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         print(f"{EXIT_LINE_PREFIX} engine killed by signal {signal.Signals(sig).name}", file=sys.stderr, flush=True)
-        code = 128 + sig
-    else:
-        code = os.WEXITSTATUS(status)
-        print(f"{EXIT_LINE_PREFIX} engine exited with status {code}", file=sys.stderr, flush=True)
+        return 128 + sig
+    code = os.WEXITSTATUS(status)
+    print(f"{EXIT_LINE_PREFIX} engine exited with status {code}", file=sys.stderr, flush=True)
     return code
 
 

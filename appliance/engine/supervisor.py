@@ -306,23 +306,8 @@ class EngineSupervisor:
         else:
             self.status.reason = f"{self.status.reason.split(';')[0]}; loading model again"
         log.info("starting engine on unix:%s: %s", socket_path, describe(self.launch))
-        argv = [
-            self._guard_python, "-m", "appliance.engine.guard",
-            "--parent-pid", str(os.getpid()),
-            "--grace", str(self.cfg.engine.stop_grace_s),
-            "--", *self.launch.argv,
-        ]
-        self.cfg.engine_cache_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv,
-                env=self.launch.env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                limit=1 << 20,
-            )
+            self._proc = await self._spawn_guard(self.launch)
         except OSError as e:
             return f"cannot start the engine guard: {e}"
         self.status.pid = self._proc.pid
@@ -354,6 +339,26 @@ class EngineSupervisor:
         rc = exited.result()
         self.status.pid = None
         return explain_exit(rc, self.last_lines.recent(EXIT_CONTEXT_S))
+
+    async def _spawn_guard(self, launch: EngineLaunch) -> asyncio.subprocess.Process:
+        """The guard (appliance.engine.guard) in a session of its own, running the launch's argv: it kills
+        the engine's whole process group when this daemon dies."""
+        argv = [
+            self._guard_python, "-m", "appliance.engine.guard",
+            "--parent-pid", str(os.getpid()),
+            "--grace", str(self.cfg.engine.stop_grace_s),
+            "--", *launch.argv,
+        ]
+        self.cfg.engine_cache_dir.mkdir(parents=True, exist_ok=True)
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            env=launch.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            limit=1 << 20,
+        )
 
     async def _drain(self, pump: asyncio.Task[None]) -> None:
         try:
