@@ -286,6 +286,13 @@ class AdmissionGate:
         self._dispatch()
         self._wake_when_reserves_lapse()
 
+    def reconfigure(self, cfg: AdmissionConfig) -> None:
+        """New settings (the doctor's relaunch on another plan): requests waiting are judged again at once
+        against them, as a release would have them judged."""
+        self.cfg = cfg
+        self._dispatch()
+        self._wake_when_reserves_lapse()
+
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
         # Short prompts measure the fixed cost of a step, not prefill speed: they would make every
         # long prompt look hopeless.

@@ -65,7 +65,7 @@ class Remedies:
                     "targets.speculative = \"off\" to keep it off", action)
         state.site_plan = replace(state.site_plan, plan=off, without_speculation=None)
         if self.admission is not None:  # the plan without drafts may hold a different number of sequences
-            self.admission.cfg = AdmissionConfig.from_section(state.cfg.admission, off.max_num_seqs)
+            self.admission.reconfigure(AdmissionConfig.from_section(state.cfg.admission, off.max_num_seqs))
         state.speculation_off = action
         self.metrics.doctor_actions.labels("speculative_off").inc()
         # The old engine's samples say nothing about the new one; poll_once would only notice the reset at

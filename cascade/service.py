@@ -60,10 +60,9 @@ class Cascade:
     def decide(self, facts: policy.RequestFacts) -> policy.Decision:
         return policy.decide(self.cfg, facts)
 
-    def judge(self, tl: signals.TokenLogprobs) -> tuple[bool, str, signals.Signals | None]:
-        sig = signals.compute(tl, self.quantile)
-        escalate, why = policy.judge(self.cfg.thresholds, sig)
-        return escalate, why, sig
+    def judge(self, tl: signals.TokenLogprobs) -> tuple[bool, str]:
+        """Escalate this local answer? And why, in words for the response's headers and the log."""
+        return policy.judge(self.cfg.thresholds, signals.compute(tl, self.quantile))
 
     def serves_regionally(self, model: str) -> bool:
         return self.cfg.regional_enabled and model in self.cfg.regional_models

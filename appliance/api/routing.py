@@ -102,7 +102,7 @@ class Routing:
             data = json.loads(content)
         except ValueError:
             return self.recorder.finish(job.rec, job.t0, 200, content, headers)
-        escalate, why, _ = self.cascade.judge(signals.from_response(data))
+        escalate, why = self.cascade.judge(signals.from_response(data))
         if not job.client_wants_logprobs:
             answers.hide_logprobs(data)
         local = json.dumps(data).encode()
@@ -121,7 +121,7 @@ class Routing:
         """Auto policy, streamed: the answer is judged when it is complete, before its [DONE]."""
         async def after(tl: signals.TokenLogprobs) -> bytes:
             assert self.cascade is not None
-            escalate, why, _ = self.cascade.judge(tl)
+            escalate, why = self.cascade.judge(tl)
             if not escalate:
                 return b""
             # The answer has been streamed already: the escalation is queued (async) whatever the mode.

@@ -184,7 +184,6 @@ class EngineSupervisor:
         self._engine_pgid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._ready = asyncio.Event()
         self._failures: deque[float] = deque()
         self._relaunch_reason: str | None = None
 
@@ -213,16 +212,6 @@ class EngineSupervisor:
             f.write(self.internal_key + "\n")
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="engine-supervisor")
-
-    async def wait_ready(self, timeout: float | None = None) -> bool:
-        ready = asyncio.create_task(self._ready.wait())
-        gave_up = asyncio.create_task(self.gave_up.wait())
-        try:
-            await asyncio.wait({ready, gave_up}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
-            gave_up.cancel()
-        return self.ready
 
     async def relaunch(self, engine_args: Sequence[str], reason: str,
                        drain: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -318,7 +307,6 @@ class EngineSupervisor:
             {exited, healthy}, timeout=self.cfg.engine.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         if healthy in done and healthy.result():
-            self._ready.set()
             await self._set(EngineState.READY, "serving")
             log.info("engine ready on unix:%s", socket_path)
             await exited
@@ -331,7 +319,6 @@ class EngineSupervisor:
             return f"engine did not become healthy within {self.cfg.engine.startup_timeout_s:g}s"
         else:
             healthy.cancel()
-        self._ready.clear()
         # If the guard itself was killed, engine processes may still run and hold the log pipe:
         # kill them first, then read what is left of their log.
         self._kill_leftovers(self._engine_pgid)

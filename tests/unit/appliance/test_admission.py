@@ -171,6 +171,22 @@ def test_a_client_that_leaves_the_queue_frees_its_place():
     assert asyncio.run(scenario()) == {"queued": 0, "in_flight": 0}
 
 
+def test_new_settings_admit_the_waiting_at_once():
+    """The doctor's relaunch on a plan with more sequences reconfigures the gate: a request waiting for the
+    one slot is admitted then, not at the next release."""
+    async def scenario() -> bool:
+        gate = AdmissionGate(ONE_SLOT, service_time_s=0.1, prefill_tokens_per_s=1e6)
+        await gate.acquire(Request("silver", 1))  # held throughout
+        waiting = asyncio.create_task(gate.acquire(Request("silver", 1)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        gate.reconfigure(dataclasses.replace(ONE_SLOT, capacity=2))
+        await asyncio.sleep(0.01)
+        return waiting.done() and waiting.result().cls == "silver"
+
+    assert asyncio.run(scenario())
+
+
 def test_service_time_average_follows_releases():
     now = [0.0]
     gate = AdmissionGate(ONE_SLOT, service_time_s=1.0, clock=lambda: now[0], alpha=0.5)
