@@ -51,6 +51,15 @@ def test_files_config_and_requirements(rpm_file: Path):
                 "python3.11dist(pydantic)", "python3.11dist(sqlite-utils)", "python3.11dist(systemd-python)", "systemd"]:
         assert dep in requires, dep
     assert "vllm" not in requires  # the engine comes from the fleet's own repository (see the spec)
+    # The libraries the gateway reaches into arrive from the distribution inside the tested range only
+    # (appliance.library_pins): rpm's generator makes the pins rich dependencies with both bounds.
+    from appliance.library_pins import pinned_ranges
+
+    for name, spec in pinned_ranges().items():
+        upper = next(s for s in spec if s.operator == "<")
+        lower = next(s for s in spec if s.operator == ">=")
+        assert (f"(python3.11dist({name}) < {upper.version} with python3.11dist({name}) >= {lower.version})"
+                in requires), (name, requires)
 
 
 def test_rpmlint_is_clean_with_the_documented_filters(rpm_file: Path):
