@@ -35,6 +35,7 @@ from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
 from appliance.api.relay import EventFilter, prepended, refused_at_start, relay
+from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
@@ -42,7 +43,7 @@ from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink, Upstream
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
-from cascade.policy import PRIORITY_CLASSES, Decision
+from cascade.policy import PRIORITY_CLASSES
 from cascade.service import Cascade
 
 log = logging.getLogger(__name__)
@@ -200,8 +201,11 @@ class Gateway:
                 # applies to that too, so the engine is told it.
                 body["max_tokens"] = most = limit
             decision = self.routing.decide(request.headers, parsed.model, prompt_tokens, most, key)
-            self.routing.check_model(parsed.model, decision)
-            base = self._engine_or_regional(decision)
+            way = choose_route(decision, model=parsed.model, served_name=self.settings.served_name,
+                               serves_regionally=self.routing.serves_regionally(parsed.model),
+                               engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable)
+            if isinstance(way, Refuse):
+                raise way.error
         except ApiError as e:
             rec.model = body_model(body)
             raise self.recorder.failed(rec, t0, e) from None
@@ -215,27 +219,29 @@ class Gateway:
                   seqs=seqs,
                   max_tokens=most, flight=self.inflight.start(rec, Flight(rid, route, cls, rec.stream)))
         try:
-            return await self._route(request, job, base)
+            return await self._route(request, job, way)
         except BaseException:
             self.inflight.end(rec)  # whatever the error, the request is over
             raise
 
-    async def _route(self, request: Request, job: Job, base: str | None) -> Response:
-        decision = job.decision
-        if base is None:
-            return await self.routing.answer_regionally(job, fallback=None)
-        if decision is not None and decision.action == "escalate_now":
-            if decision.mode == "sync" or job.rec.model != self.settings.served_name:
-                local = job.rec.model == self.settings.served_name
-                return await self.routing.answer_regionally(
-                    job, fallback=(lambda: self._answer_locally(request, job, base)) if local else None)
-            job.escalation = await self.routing.escalate(job, sync=False, reason=decision.reason)
-        elif decision is not None and decision.action == "local_then_judge":
-            job.judge = True
-            job.client_wants_logprobs = answers.request_logprobs(job.body, chat=job.rec.route == "/v1/chat/completions")
-        if self.cascade is not None:
-            self.cascade.count("local")
-        return await self._answer_locally(request, job, base)
+    async def _route(self, request: Request, job: Job, way: Local | Regional) -> Response:
+        match way:
+            case Regional(fallback_local=fallback_local):
+                answered = await self.routing.answer_regionally(job, fallback_local)
+                if answered is not None:
+                    return answered
+                return await self._answer_locally(request, job)  # the link could not deliver: the fallback
+            case Local(judge=judge, queue_escalation=queue_escalation):
+                if queue_escalation:
+                    assert job.decision is not None
+                    job.escalation = await self.routing.escalate(job, sync=False, reason=job.decision.reason)
+                if judge:
+                    job.judge = True
+                    job.client_wants_logprobs = answers.request_logprobs(
+                        job.body, chat=job.rec.route == "/v1/chat/completions")
+                if self.cascade is not None:
+                    self.cascade.count("local")
+                return await self._answer_locally(request, job)
 
     def _sequences(self, parsed: Any) -> int:
         """The sequences the engine runs for this request (n, or best_of when larger), within max_choices."""
@@ -254,20 +260,17 @@ class Gateway:
         policy = self.admission.cfg.classes.get(cls)
         return policy.max_tokens if policy is not None else None
 
-    def _engine_or_regional(self, decision: Decision | None) -> str | None:
-        """The engine's address; None when the answer comes from the regional cluster instead (a model
-        only it serves, or the local engine down while the policy allows escalation)."""
-        if decision is not None and decision.action == "escalate_now" and decision.mode == "sync":
-            return self.supervisor.base_url if self.supervisor.ready else None
+    def _engine_refusal(self) -> ApiError | None:
+        """The 503 the engine's state gives now, or None while it serves."""
         try:
-            return self.require_ready()
-        except ApiError:
-            if self.routing.regional_instead(decision):
-                return None
-            raise
+            self.require_ready()
+        except ApiError as e:
+            return e
+        return None
 
-    async def _answer_locally(self, request: Request, job: Job, base: str) -> Response:
+    async def _answer_locally(self, request: Request, job: Job) -> Response:
         rec, body = job.rec, job.body
+        base = self.supervisor.base_url or self.require_ready()  # launched: the route found it ready
         if job.stream and not job.client_wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         if self.admission is not None:

@@ -9,7 +9,7 @@ confidence signals say so.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import Response
@@ -22,8 +22,6 @@ from appliance.api.relay import StreamJudge
 from cascade import signals
 from cascade.policy import Decision, PolicyError, RequestFacts, parse_headers
 from cascade.service import Cascade, EscalationResult
-
-_REFUSALS = {"no_regional_endpoint": (404, "model_not_found"), "escalation_forbidden": (403, "escalation_forbidden")}
 
 
 class Routing:
@@ -47,20 +45,12 @@ class Routing:
             header_mode=header_mode, local_only_header=local_only, prompt_tokens=prompt_tokens,
             max_tokens=max_tokens))
 
-    def check_model(self, model: str, decision: Decision | None) -> None:
-        """404 for a model served neither here nor regionally; 403 for one this request may not reach."""
-        if decision is not None and decision.action == "refuse":
-            status, code = _REFUSALS[decision.refusal or "escalation_forbidden"]
-            raise ApiError(status, f"the model '{model}' cannot be served here: {decision.reason}", code=code,
-                           param="model")
-        if model != self.served_name and not (self.cascade and self.cascade.serves_regionally(model)):
-            raise ApiError(404, f"the model '{model}' does not exist here; this appliance serves "
-                                f"'{self.served_name}'", code="model_not_found", param="model")
+    def serves_regionally(self, model: str) -> bool:
+        return self.cascade is not None and self.cascade.serves_regionally(model)
 
-    def regional_instead(self, decision: Decision | None) -> bool:
-        """Self-healing: while the engine cannot answer, the regional cluster does when the policy allows."""
-        return decision is not None and decision.may_escalate and self.cascade is not None \
-            and self.cascade.link_usable
+    @property
+    def link_usable(self) -> bool:
+        return self.cascade is not None and self.cascade.link_usable
 
     async def escalate(self, job: Job, sync: bool, reason: str) -> EscalationResult:
         assert self.cascade is not None
@@ -68,9 +58,10 @@ class Routing:
             job.rec.route, job.original, sync=sync, priority_class=job.cls, tenant=job.tenant, key_id=job.rec.key_id,
             reason=reason, keep_model=job.rec.model != self.served_name)
 
-    async def answer_regionally(self, job: Job, fallback: Callable[[], Awaitable[Response]] | None) -> Response:
-        """Sync escalation: the regional answer when the link delivers it; else `fallback` (the local
-        engine, marked), else 503 with the escalation's id when it was queued."""
+    async def answer_regionally(self, job: Job, fallback_local: bool) -> Response | None:
+        """Sync escalation: the regional answer when the link delivers it; else None when the local engine
+        is to answer instead (fallback_local: the gateway does, marked), else 503 with the escalation's id
+        when it was queued."""
         rec, decision = job.rec, job.decision
         assert decision is not None and self.cascade is not None
         reason = decision.reason if decision.action == "escalate_now" else "the local engine is not ready"
@@ -87,9 +78,9 @@ class Routing:
                                 media_type="text/event-stream", headers=headers)
             return Response(json.dumps(result.answer.body).encode(), status_code=200,
                             media_type="application/json", headers=headers)
-        if fallback is not None:
+        if fallback_local:
             self.cascade.count("fallback")
-            return await fallback()
+            return None
         where = f"; it is queued as {result.id} (GET /v1/escalations/{result.id})" if result.outcome == "queued" else ""
         raise self.recorder.failed(rec, job.t0, retry_later(
             503, f"the regional cluster could not answer ({result.error or result.outcome}){where}",

@@ -10,9 +10,8 @@ import pytest
 
 from appliance.api.errors import ApiError
 from appliance.api.inflight import Flight
-from appliance.api.recording import Recorder
 from appliance.api.relay import relay
-from appliance.api.routing import Routing
+from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.store import RequestRecord
 from cascade.policy import Decision
 
@@ -70,15 +69,44 @@ def test_a_broken_engine_stream_ends_with_an_error_event():
     ("escalation_forbidden", 403, "escalation_forbidden"),
 ])
 def test_a_refusal_s_kind_picks_the_status_not_its_wording(refusal, status, code):
-    routing = Routing(None, "local", Recorder(None, None), 3)
     # the same words for both: only the typed refusal tells them apart
     decision = Decision("refuse", "async", "no regional endpoint is configured", False, refusal)
-    with pytest.raises(ApiError) as e:
-        routing.check_model("big", decision)
-    assert (e.value.status, e.value.code, e.value.param) == (status, code, "model")
+    way = _choose(decision, model="big")
+    assert isinstance(way, Refuse)
+    assert (way.error.status, way.error.code, way.error.param) == (status, code, "model")
 
 
 def test_an_unknown_model_is_404():
-    with pytest.raises(ApiError) as e:
-        Routing(None, "local", Recorder(None, None), 3).check_model("other", None)
-    assert (e.value.status, e.value.code) == (404, "model_not_found")
+    way = _choose(None, model="other")
+    assert isinstance(way, Refuse) and (way.error.status, way.error.code) == (404, "model_not_found")
+
+
+NOT_READY = ApiError(503, "the engine is loading the model; retry later", code="engine_not_ready")
+
+
+def _choose(decision, *, model="local", regional_model=False, ready=True, link=True):
+    return choose_route(decision, model=model, served_name="local", serves_regionally=regional_model,
+                        engine_refusal=None if ready else NOT_READY, link_usable=link)
+
+
+def _d(action, mode="async", may_escalate=True):
+    return Decision(action, mode, "because", may_escalate)
+
+
+@pytest.mark.parametrize(("decision", "kw", "expected"), [
+    (None, {}, Local()),
+    (_d("local"), {}, Local()),
+    (_d("local_then_judge"), {}, Local(judge=True)),
+    (_d("escalate_now"), {}, Local(queue_escalation=True)),
+    (_d("escalate_now", "sync"), {}, Regional(fallback_local=True)),
+    (_d("escalate_now", "sync"), {"ready": False}, Regional(fallback_local=False)),
+    (_d("escalate_now", "sync"), {"model": "big", "regional_model": True}, Regional(fallback_local=False)),
+    (_d("escalate_now"), {"model": "big", "regional_model": True}, Regional(fallback_local=False)),
+    # the engine down: the regional cluster answers where the policy and the link allow, else the 503
+    (_d("local"), {"ready": False}, Regional(fallback_local=False)),
+    (_d("local", may_escalate=False), {"ready": False}, Refuse(NOT_READY)),
+    (_d("local"), {"ready": False, "link": False}, Refuse(NOT_READY)),
+    (None, {"ready": False}, Refuse(NOT_READY)),
+])
+def test_each_request_has_one_way(decision, kw, expected):
+    assert _choose(decision, **kw) == expected
