@@ -60,6 +60,10 @@ def generation_routes(gateway: Gateway) -> APIRouter:
     async def list_models(request: Request) -> Response:
         return await gateway.list_models(request)
 
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> Response:
+        return await gateway.retrieve_model(request, model_id)
+
     return router
 
 

@@ -159,6 +159,22 @@ class Gateway:
             raise self._unreachable(e) from None
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    async def retrieve_model(self, request: Request, model_id: str) -> Response:
+        """GET /v1/models/{id} (the SDKs' models.retrieve), which vLLM does not serve: the entry of the
+        engine's own list with that id, or OpenAI's 404."""
+        listed = await self.list_models(request)
+        if listed.status_code != 200:
+            return listed
+        try:
+            entries = json.loads(bytes(listed.body))["data"]
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(502, "the engine's model list could not be read", code="engine_bad_response") from None
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("id") == model_id:
+                return Response(json.dumps(entry).encode(), media_type="application/json")
+        raise ApiError(404, f"the model '{model_id}' does not exist here; this appliance serves "
+                            f"'{self.settings.served_name}'", code="model_not_found", param="model")
+
     async def generate(self, request: Request, route: str, schema: type) -> Response:
         rid = request_id(request)
         t0 = time.perf_counter()

@@ -302,3 +302,23 @@ def test_a_held_stream_shows_in_the_requests_in_flight_and_in_the_state_dump(app
     assert "task api: " in dump and "task loop-monitor: " in dump  # every task, by name, with its stack
     assert appliance.proc.poll() is None  # SIGUSR1 asks; it does not stop the daemon
     wait_for(lambda: not mine(), 30, what="the closed stream to leave the requests in flight")
+
+
+def test_models_retrieve_through_the_sdk(oai: openai.OpenAI, appliance: RunningAppliance):
+    """The SDK's models.retrieve: vLLM 0.32 has no GET /v1/models/{id} (404 straight from the engine), the
+    appliance answers it with the engine's own entry."""
+    model = oai.models.retrieve(appliance.served_name)
+    listed = {m.id: m for m in oai.models.list().data}
+    # vLLM makes `created` and the permission entry's id afresh at each call: the rest is the model's
+    same = lambda m: m.model_dump(exclude={"created", "permission"})
+    assert model.id == appliance.served_name and same(model) == same(listed[appliance.served_name])
+    from appliance import config
+
+    key = (config.load(appliance.config).state.directory / "engine.key").read_text().strip()
+    straight = appliance.engine_get(f"/v1/models/{appliance.served_name}", timeout=5,
+                                    headers={"Authorization": f"Bearer {key}"})
+    assert straight.status_code == 404  # the engine itself has no such route
+    assert appliance.engine_get("/v1/models", timeout=5, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
