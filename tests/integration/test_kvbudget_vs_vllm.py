@@ -337,3 +337,93 @@ def test_unmodelled_configs_follow_vllm_with_every_disagreement_named():
         assert all(item in plan.disagreements[0] for item in model_only.model.unmodelled)
         assert any(d.startswith("max concurrency:") for d in plan.disagreements)
         assert plan.vllm.max_concurrency > off_by * model_only.capacity.max_concurrency, (name, plan.disagreements)
+
+
+_AS_AVX2_HOST = """# The probe as it runs on an AVX2 host: torch reports no AVX-512 before vLLM loads its kernels, so the
+# AVX2 build (vllm._C_AVX2) is the one loaded, and every level above it is emulated on top of that build.
+import runpy, sys, torch
+for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+    setattr(torch.cpu, name, lambda: False)
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+ON_AVX2 = ("deepseek-v2-lite-chat", "gpt-oss-20b", "qwen3.6-27b-fp8", "granite-4.0-h-tiny", "smollm2-135m-instruct",
+           "qwen3.5-9b")
+
+
+def test_the_probe_emulates_each_level_alike_from_an_avx2_host(tmp_path: Path):
+    """An AVX2 host loads vLLM's AVX2 kernel build, which lacks the ops the BF16 build has; the emulation
+    gives vLLM the emulated build's answers, so the levels above AVX2 plan as on their own hosts (here
+    for the checkpoints and layer kinds whose answers depend on the build)."""
+    import json
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    wrapper = tmp_path / "as_avx2_host.py"
+    wrapper.write_text(_AS_AVX2_HOST)
+
+    def ask(isa: str) -> list[tuple[str, Plan | PlanError, dict]]:
+        device = f"CPU {isa}"
+        cases = [(name, _plan(name, device, "fp8" if name == "smollm2-135m-instruct" else "auto", True))
+                 for name in ON_AVX2]
+        asked = [p if isinstance(p, Plan) else _plan(name, device, "auto", True, weights_checked=False)
+                 for name, p in cases]
+        job = {"device": {"platform": "cpu", "isa": isa},
+               "requests": [{"model": str(FIX / f"{name}.json"), "args": list(p.vllm_args),
+                             "contexts": list(_question(name, p).contexts)} for (name, _), p in zip(cases, asked,
+                                                                                                   strict=True)]}
+        done = subprocess.run([sys.executable, str(wrapper), str(probe.PROBE_SCRIPT)], input=json.dumps(job),
+                              capture_output=True, text=True, timeout=300)
+        answers = json.loads(done.stdout)["answers"]
+        assert all("emulated on this avx2 host" in " ".join(a.get("notes", [])) for a in answers), answers[0]
+        return [(name, p, a) for (name, p), a in zip(cases, answers, strict=True)]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(("avx512", "amx"), pool.map(ask, ("avx512", "amx")), strict=True))
+    for isa, answered in results.items():
+        for name, plan, raw in answered:
+            try:
+                vllm = probe._figures(raw)
+            except probe.VllmRefused as e:
+                vllm = e
+            words = CPU_REFUSES[isa].get(name)
+            if words:
+                assert isinstance(plan, PlanError) and isinstance(vllm, probe.VllmRefused), (isa, name, vllm)
+                assert words in str(vllm), (isa, name, vllm)
+                continue
+            assert isinstance(plan, Plan) and isinstance(vllm, probe.VllmFigures), (isa, name, vllm)
+            _figures_agree(plan, vllm)
+
+
+def test_the_probe_knows_the_kernel_builds_this_host_can_load():
+    """kvbudget/vllm_probe.py's table of what vllm._custom_ops records about each kernel build, against the
+    builds themselves: each build this host can run is loaded in its own interpreter and asked."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    spec = importlib.util.spec_from_file_location("vllm_probe_table", probe.PROBE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    loadable = {"avx2": ["_C_AVX2"], "avx512": ["_C_AVX2", "_C_AVX512"], "avx512-bf16": ["_C_AVX2", "_C_AVX512", "_C"],
+                "amx": ["_C_AVX2", "_C_AVX512", "_C"]}[isa_from_flags(cpu_flags())]
+    script = """
+import importlib, json, sys
+try:
+    importlib.import_module("vllm." + sys.argv[1])
+except ImportError as e:
+    if "dynamic module does not define" not in str(e):
+        raise
+import vllm.platforms as platforms
+type(platforms.current_platform).import_kernels = classmethod(lambda cls: None)  # that build, no other
+import vllm._custom_ops as ops
+print(json.dumps({k: v for k, v in vars(ops).items() if k.startswith("_supports") and isinstance(v, bool)}))
+"""
+    for build in loadable:
+        done = subprocess.run([sys.executable, "-c", script, build], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == table.BUILD_OPS[build], build
+    assert set(table.LEVEL_BUILD.values()) == set(table.BUILD_OPS)
