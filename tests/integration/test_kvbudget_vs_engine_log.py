@@ -53,6 +53,22 @@ TINY = {
 }
 
 
+def _start_engine(model: Path, args: list[str] | tuple[str, ...], log_path: Path) -> tuple[subprocess.Popen, int]:
+    """A bare vLLM CPU server on loopback (no appliance), eager, offline, with the tests' shared compile cache
+    and the planned pool winning over VLLM_CPU_KVCACHE_SPACE; its output goes to log_path. In a session of
+    its own, so the test can kill its whole process group."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(shared_engine_cache()))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--enforce-eager", *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    return proc, port
+
+
 def test_appliance_plan_matches_the_engine_log(appliance: RunningAppliance):
     log = appliance.log_text()
     m = ENGINE_LINE.search(log)
@@ -76,16 +92,8 @@ def test_tiny_models_match_the_engine_log(tmp_path: Path, shape: str):
     isa = isa_from_flags(cpu_flags())
     plan = make_plan(read_model(folder), None, Targets(context=2048), Platform("cpu", enforce_eager=True, cpu_isa=isa),
                      kv_pool_bytes=256 << 20, max_num_seqs=8)
-    port = free_port()
     log_path = tmp_path / "engine.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(shared_engine_cache()))
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--load-format",
-             "dummy", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", *plan.vllm_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+    proc, _ = _start_engine(folder, ["--load-format", "dummy", *plan.vllm_args], log_path)
     try:
         wait_for(lambda: ENGINE_LINE.search(log_path.read_text(errors="replace")) or proc.poll() is not None, 300,
                  interval=1, what="the engine's KV capacity line")
@@ -116,16 +124,8 @@ def test_fp8_kv_cache_follows_this_host(tmp_path: Path):
     plan = make_plan(read_model(folder), None, Targets(context=2048, kv_dtype="fp8"),
                      Platform("cpu", enforce_eager=True, cpu_isa=isa), kv_pool_bytes=1 << 30, max_num_seqs=8)
     args = plan.vllm_args if plan.engine.kv_dtype == "fp8" else (*plan.vllm_args, "--kv-cache-dtype", "fp8")
-    port = free_port()
     log_path = tmp_path / "engine.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(shared_engine_cache()))
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
-             "default", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+    proc, port = _start_engine(folder, ["--served-model-name", "default", *args], log_path)
     try:
         if not has_avx512(isa):
             assert plan.engine.kv_dtype == "auto" and any("AVX-512 or AMX" in n for n in plan.notes), plan.notes
