@@ -7,7 +7,7 @@ from pathlib import Path
 
 from appliance.config import Config
 from kvbudget import probe
-from kvbudget.cpu import host_isa
+from kvbudget.cpu import FORCE_ENV, CpuIsa, CpuIsaError, host_isa
 from kvbudget.gpu import Discovery, discover
 from kvbudget.model import ModelError, ModelShape
 from kvbudget.model_files import read_draft, read_model
@@ -119,8 +119,16 @@ def _kvbudget_plan(cfg: Config, model: ModelShape, targets: Targets, discovery: 
             f"no GPU found ({discovery.error}); on the CPU backend set engine.kv_cache_memory_bytes "
             "(for example \"1GiB\") so the KV pool is explicit"
         )
-    return make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager, cpu_isa=host_isa()),
+    return make_plan(model, None, targets, Platform("cpu", enforce_eager=cfg.engine.enforce_eager, cpu_isa=_host_level()),
                      kv_pool_bytes=pool, max_num_seqs=cfg.engine.max_num_seqs)
+
+
+def _host_level() -> CpuIsa:
+    """This host's instruction-set level; a bad KVBUDGET_HOST_CPU_ISA is a planning error, not a crash."""
+    try:
+        return host_isa()
+    except CpuIsaError as e:
+        raise PlanningError(f"{e}: set {FORCE_ENV} to one of them, or unset it to read this host") from None
 
 
 def plan_for_config(cfg: Config, discovery: Discovery | None = None, ask_vllm: bool = True) -> SitePlan:

@@ -87,3 +87,21 @@ def test_weights_without_a_cpu_kernel_are_refused_by_name():
     with pytest.raises(PlanError, match="NVFP4 weights have no kernel"):
         _plan("llama-3.1-8b-instruct-nvfp4", "amx")
     assert _plan("llama-3.1-8b-instruct-fp8-dynamic", "avx2").fits  # per-channel FP8 runs everywhere
+
+
+def test_the_daemon_plans_for_the_host_s_level_and_a_bad_forced_one_is_a_planning_error(tmp_path, monkeypatch):
+    """plan_for_config on a CPU host (no GPU found) reads the host's level; a KVBUDGET_HOST_CPU_ISA that
+    names no level is a PlanningError naming the variable (start-up prints it in one line), not a crash."""
+    from appliance import config
+    from appliance.planning import PlanningError, plan_for_config
+    from kvbudget.gpu import Discovery
+
+    cfg = config.parse(f'[model]\npath = "{FIX / "deepseek-v2-lite-chat.json"}"\n[state]\ndirectory = "{tmp_path}"\n'
+                       '[engine]\nkv_cache_memory_bytes = "1GiB"\n')
+    no_gpu = Discovery(error="no NVIDIA driver")
+    monkeypatch.setenv(FORCE_ENV, "amx")
+    plan = plan_for_config(cfg, no_gpu, ask_vllm=False).plan
+    assert plan.platform.cpu_isa == "amx" and plan.layout.block_size == 128  # AMX_MLA's blocks
+    monkeypatch.setenv(FORCE_ENV, "avx1024")
+    with pytest.raises(PlanningError, match=r"unknown CPU instruction set 'avx1024'.*set KVBUDGET_HOST_CPU_ISA"):
+        plan_for_config(cfg, no_gpu, ask_vllm=False)
