@@ -3,13 +3,11 @@
     config + plan -> request log, metrics -> engine supervisor -> admission, cascade -> gateway
                   -> engine watch, remedies -> API app -> Daemon
 
-A test hands in its own supervisor (or gateway transport) here instead of swapping parts afterwards,
+A test hands in its own supervisor here instead of swapping parts afterwards,
 so every part that holds one holds the same one.
 """
 
 from __future__ import annotations
-
-import httpx
 
 from appliance.admission import AdmissionConfig, AdmissionGate
 from appliance.api.app import create_app
@@ -36,8 +34,7 @@ from kvbudget.render import plan_dict
 
 
 def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
-          kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None,
-          transport: httpx.AsyncBaseTransport | None = None) -> Daemon:
+          kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None) -> Daemon:
     state = SiteState(cfg, site_plan, model_check, kernel_check)
     metrics = Metrics()
     if model_check is not None:
@@ -57,7 +54,7 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
                         retry_after_s=cfg.server.retry_after_s, upstream_timeout_s=cfg.server.upstream_timeout_s,
                         default_class=cfg.admission.anonymous_class, max_choices=cfg.server.max_choices,
                         engine_socket=cfg.engine_socket),
-        request_log, metrics, admission, cascade, transport=transport)
+        request_log, metrics, admission, cascade)
     # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
     watch = EngineWatch(gateway.client, lambda: supervisor.base_url if supervisor.ready else None,
                         on_error=metrics.engine_scrape_errors.inc)

@@ -5,7 +5,7 @@ side, against one local aiohttp server (in a child process) that streams 64 vLLM
     python bench/upstream_clients.py [--requests 300] [--concurrency 8] [--rounds 2]
 
 Prints the CPU of this process (the client) per request for each, rounds interleaved, and the ratios to
-the spliced EngineStream: the reason appliance/api/upstream.py reaches the engine with neither library.
+the spliced EngineStream: the reason the gateway reaches the engine with neither library.
 """
 
 from __future__ import annotations

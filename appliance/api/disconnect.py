@@ -12,17 +12,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from appliance.admission import AdmissionRejected
-from appliance.api.upstream import UPSTREAM_ERRORS, Upstream
+from appliance.api.engine_stream import EngineLinkError, EngineStream
 
 
 class ClientGone(Exception):
     """The client disconnected while the gateway waited on its behalf."""
 
 
-async def _close_response(res: Upstream) -> None:
+async def _close_response(res: EngineStream) -> None:
     await res.aclose()
 
 
@@ -37,7 +36,7 @@ async def race_disconnect(request: Request, work: Awaitable[Any],
         if task in done:
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, AdmissionRejected, *UPSTREAM_ERRORS):
+        with contextlib.suppress(asyncio.CancelledError, AdmissionRejected, EngineLinkError):
             res = await task
             if res is not None:
                 await discard(res)
@@ -53,23 +52,9 @@ async def client_leaves(receive: Any) -> None:
         pass
 
 
-async def read_or_leave(request: Request, upstream: Upstream) -> bytes:
+async def read_or_leave(request: Request, upstream: EngineStream) -> bytes:
     """The whole upstream body unless the client leaves first; the upstream is closed either way."""
     try:
         return await race_disconnect(request, upstream.aread())
     finally:
         await upstream.aclose()
-
-
-class ClosingStream(StreamingResponse):
-    """A streaming response that runs `on_close` however it ends: finished, failed or cancelled."""
-
-    def __init__(self, content: Any, *, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._on_close()

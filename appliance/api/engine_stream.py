@@ -12,8 +12,8 @@ cookies or compression.
 Each request has its own connection, closed when it ends (as nginx talks to its upstreams by default): a
 client that leaves closes it, and that is how vLLM learns to abort the request and free its KV blocks.
 
-The answer is read in one of two ways. As an `Upstream` (status, chunks, whole body, close), like any
-other client's answer. Or spliced (`splice`): every further body chunk goes to a plain function as the
+The answer is read in one of two ways. As a client library's answer would be (status, chunks, whole
+body, close): a refusal read whole, a stream's first event. Or spliced (`splice`): every further body chunk goes to a plain function as the
 parser produces it, with no coroutine in between (appliance.api.splice writes them to the client).
 """
 
@@ -80,7 +80,7 @@ class EngineStream(asyncio.Protocol):
         stream._arm_silence()
         return stream
 
-    # -- the Upstream interface ----------------------------------------------------------------
+    # -- read as a client library's answer ----------------------------------------------------------------
 
     def aiter_raw(self) -> EngineStream:
         return self

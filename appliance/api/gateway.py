@@ -27,19 +27,18 @@ from starlette.requests import ClientDisconnect
 from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
-from appliance.api.disconnect import ClientGone, ClosingStream, race_disconnect, read_or_leave
-from appliance.api.engine_stream import EngineStream
+from appliance.api.disconnect import ClientGone, race_disconnect, read_or_leave
+from appliance.api.engine_stream import EngineLinkError, EngineStream
 from appliance.api.errors import ApiError, error_body, retry_later
-from appliance.api.http_protocol import BODY_TIMED_OUT, CLIENT_WRITER
+from appliance.api.http_protocol import BODY_TIMED_OUT
 from appliance.api.inflight import Flight, InFlight
 from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.recording import Recorder
-from appliance.api.relay import EventFilter, prepended, refused_at_start, relay
+from appliance.api.relay import EventFilter, refused_at_start
 from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
-from appliance.api.upstream import UPSTREAM_ERRORS, EngineLink, Upstream
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog, RequestRecord
@@ -54,6 +53,8 @@ _ENGINE_BROKE_OFF = json.dumps(error_body("the engine broke off its answer", "se
 
 async def _keep(_: object) -> None:
     """A chunk read after the client left needs no closing (the upstream is closed on its own)."""
+
+_CONNECT_S = 5.0
 
 _NOT_READY = {
     EngineState.STARTING: "the engine is loading the model",
@@ -71,13 +72,13 @@ class GatewaySettings:
     upstream_timeout_s: float
     default_class: str = "silver"  # the priority class of a request without a key
     max_choices: int = 4  # largest n / best_of: the sequences one request may run in the engine
-    engine_socket: Path | None = None  # the engine's Unix socket (unset only where a test stands in for it)
+    engine_socket: Path | None = None  # the engine's Unix socket (unset only in tests that never reach it)
 
 
 class Gateway:
     def __init__(self, supervisor: EngineSupervisor, settings: GatewaySettings, request_log: RequestLog | None,
                  metrics: Metrics | None = None, admission: AdmissionGate | None = None,
-                 cascade: Cascade | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 cascade: Cascade | None = None) -> None:
         self.supervisor = supervisor
         self.admission = admission
         self.cascade = cascade
@@ -85,23 +86,15 @@ class Gateway:
         self.metrics = metrics
         self.recorder = Recorder(request_log, metrics)
         self.routing = Routing(cascade, settings.served_name, self.recorder, settings.retry_after_s)
-        # One pooled client for the daemon's lifetime: keep-alive connections to the engine save a TCP
-        # handshake per request. `transport` replaces the network in tests, as in httpx's own.
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        stand_in = transport is not None
-        if not stand_in and settings.engine_socket is not None:
-            # The engine's only way in (appliance.engine.args): its private Unix socket. No TLS there, so
-            # verify=False: no CA bundle parsed for a context nothing uses.
-            transport = httpx.AsyncHTTPTransport(uds=str(settings.engine_socket), limits=limits, verify=False)
+        # The engine's only way in (appliance.engine.args) is its private Unix socket. Generation requests,
+        # the hot path, go over a protocol of our own (appliance.api.engine_stream says why); the model
+        # list over one pooled httpx client (no TLS there, so verify=False: no CA bundle parsed for nothing).
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
+        transport = (httpx.AsyncHTTPTransport(uds=str(settings.engine_socket), limits=limits, verify=False)
+                     if settings.engine_socket is not None else None)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
-            limits=limits,
-            transport=transport,
-        )
-        # Generation requests, the hot path, go over a protocol of our own (appliance.api.upstream says
-        # why), unless a test's transport stands in for the engine.
-        self.engine = EngineLink(settings.upstream_timeout_s, settings.engine_socket,
-                                 self.client if stand_in else None)
+            limits=limits, transport=transport)
         # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
         self._local: set[Lease] = set()
         self._idle = asyncio.Event()
@@ -113,7 +106,6 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.client.aclose()
-        await self.engine.aclose()
 
     # -- the local engine's leases ----------------------------------------------------------
 
@@ -333,12 +325,11 @@ class Gateway:
         rec, t0 = job.rec, job.t0
         job.flight.enter("engine")
         try:
-            upstream = await race_disconnect(
-                request, self.engine.post(f"{base}{rec.route}", json.dumps(job.body).encode(), self._auth(rec.id)))
+            upstream = await race_disconnect(request, self._post(rec.route, json.dumps(job.body).encode(), rec.id))
         except ClientGone:
             lease.end()
             return self.recorder.client_gone(rec, t0)
-        except UPSTREAM_ERRORS as e:
+        except EngineLinkError as e:
             lease.end()
             raise self.recorder.failed(rec, t0, self._unreachable(e)) from None
 
@@ -351,7 +342,7 @@ class Gateway:
             return await self._answer_whole(request, upstream, job, lease, headers)
         return await self._answer_stream(request, upstream, job, lease, admitted, headers)
 
-    async def _answer_whole(self, request: Request, upstream: Upstream, job: Job, lease: Lease,
+    async def _answer_whole(self, request: Request, upstream: EngineStream, job: Job, lease: Lease,
                             headers: dict[str, str]) -> Response:
         """A whole answer (or the engine's refusal): read, judged when the cascade asks, recorded."""
         rec, t0 = job.rec, job.t0
@@ -360,7 +351,7 @@ class Gateway:
             content = await read_or_leave(request, upstream)
         except ClientGone:
             return self.recorder.client_gone(rec, t0)
-        except UPSTREAM_ERRORS:
+        except EngineLinkError:
             return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
         finally:
             lease.end()  # the engine is done with it, whatever the judging below still does
@@ -368,18 +359,17 @@ class Gateway:
             return await self.routing.judged(job, content, headers)
         return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
 
-    async def _answer_stream(self, request: Request, upstream: Upstream, job: Job, lease: Lease, admitted: float,
+    async def _answer_stream(self, request: Request, upstream: EngineStream, job: Job, lease: Lease, admitted: float,
                              headers: dict[str, str]) -> Response:
         """A stream: its first event read before the client's headers (an error there is a refusal, not a
         200 stream), then spliced or relayed with the request's event filter."""
         rec, t0 = job.rec, job.t0
-        chunks = upstream.aiter_raw()
         ended: Response | None = None
         try:
-            first = await race_disconnect(request, anext(chunks, b""), discard=_keep)
+            first = await race_disconnect(request, anext(upstream, b""), discard=_keep)
         except ClientGone:
             ended = self.recorder.client_gone(rec, t0)
-        except UPSTREAM_ERRORS:
+        except EngineLinkError:
             ended = self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
         else:
             refused = refused_at_start(first)
@@ -404,18 +394,16 @@ class Gateway:
             await upstream.aclose()
 
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        background = BackgroundTask(self.recorder.record_after_response, rec, t0)
-        writer = request.scope.get("extensions", {}).get(CLIENT_WRITER)
-        if writer is not None and isinstance(upstream, EngineStream) and not job.judge:
-            # The cheap way (appliance.api.splice): chunks from the engine's connection to the client's.
-            return SplicedStream(upstream, first, EventFilter(rec, t0, not job.client_wants_usage, job.flight,
-                                                              first_token),
-                                 writer, on_close=on_close, headers=headers, background=background)
-        return ClosingStream(
-            relay(prepended(first, chunks) if first else chunks, upstream.aclose, rec, t0, strip_usage=not job.client_wants_usage,
-                  flight=job.flight, on_first=first_token,
-                  judge=self.routing.stream_judge(job) if job.judge else None),
-            on_close=on_close, media_type="text/event-stream", headers=headers, background=background)
+        events = EventFilter(rec, t0, not job.client_wants_usage, job.flight, first_token,
+                             judge=self.routing.stream_judge(job) if job.judge else None)
+        return SplicedStream(upstream, first, events, on_close=on_close, headers=headers,
+                             background=BackgroundTask(self.recorder.record_after_response, rec, t0))
+
+    async def _post(self, path: str, body: bytes, rid: str) -> EngineStream:
+        if self.settings.engine_socket is None:
+            raise EngineLinkError("no engine socket is configured")
+        return await EngineStream.open(self.settings.engine_socket, path, body, self._auth(rid),
+                                       connect_s=_CONNECT_S, idle_s=self.settings.upstream_timeout_s)
 
     def _auth(self, rid: str | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}

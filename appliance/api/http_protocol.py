@@ -80,11 +80,17 @@ class ClientWriter:
     async def drain(self) -> None:
         await self._cycle.flow.drain()
 
+    async def flush(self) -> None:
+        """Nothing to wait for: each write went to the connection's transport at once."""
+
     def write(self, data: bytes) -> bool:
-        """Send `data` as one chunk; False when the client has gone (nothing is written then)."""
+        """Send `data` as one chunk; False when the client has gone (nothing is written then). Empty data
+        writes nothing: an empty chunk would end the body."""
         c = self._cycle
         if c.disconnected:
             return False
+        if not data:
+            return True
         c.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
         return True
 

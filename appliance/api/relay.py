@@ -1,28 +1,27 @@
-"""Passing the engine's server-sent events to the client as they arrive (never buffered whole).
+"""What every chunk of a local stream goes through on its way to the client (appliance.api.splice moves
+the chunks; this decides what they become).
 
 For streams the gateway always asks vLLM for the final usage event, so the request log has token
 counts, and removes that event again when the client did not ask for it. Under the auto policy the
 stream's log-probabilities are gathered on the way (and hidden when the client did not ask for them),
-and the finished answer is judged before the client sees its end.
+and the `[DONE]` is held back until the finished answer is judged.
 
-Plain async generators over an iterable of byte chunks: testable without a server or an engine.
+Plain synchronous code over byte chunks: testable without a server or an engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from appliance.api import answers
 from appliance.api.errors import error_body
 from appliance.api.inflight import Flight
 from appliance.api.recording import completion_text, take_usage
-from appliance.api.upstream import UPSTREAM_ERRORS
 from appliance.store import RequestRecord
 from cascade import signals
 
@@ -58,17 +57,11 @@ def refused_at_start(first: bytes) -> tuple[int, bytes] | None:
     return status, json.dumps({"error": err}).encode()
 
 
-async def prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-
-
 class EventFilter:
-    """What every chunk of a local stream goes through, however it is relayed (the generator below, or
-    appliance.api.splice): whole events only, the first one's time taken, the usage taken into the
-    request's record (and removed when the client did not ask for it), the text kept when the request log
-    keeps texts, the log-probabilities handed to the judge. Synchronous: called once per chunk."""
+    """Whole events only, the first one's time taken, the usage taken into the request's record (and
+    removed when the client did not ask for it), the text kept when the request log keeps texts, the
+    log-probabilities handed to the judge and `[DONE]` held back for it. Synchronous: called once per
+    chunk."""
 
     def __init__(self, rec: RequestRecord, t0: float, strip_usage: bool, flight: Flight,
                  on_first: Callable[[], None] = lambda: None, judge: StreamJudge | None = None) -> None:
@@ -76,6 +69,7 @@ class EventFilter:
         self.on_first, self.judge = on_first, judge
         self.texts: list[str] | None = [] if rec.prompt is not None else None
         self._buf = b""
+        self._held: bytes | None = None  # a judged stream's end, from its [DONE] on
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events `chunk` completes, ready for the client (often b"")."""
@@ -92,12 +86,23 @@ class EventFilter:
         ready, self._buf = buf[: cut + 2], buf[cut + 2 :]
         if _USAGE_MARK in ready or self.texts is not None or self.judge is not None:
             ready = inspect_events(ready, rec, self.strip_usage, self.texts, self.judge)
+        if self.judge is not None:
+            if self._held is not None:
+                self._held += ready
+                return b""
+            if _DONE in ready:  # the answer is complete: its end waits for the judge (ending())
+                ready, self._held = ready.split(_DONE, 1)
+                self._held = _DONE + self._held
         return ready
 
-    def rest(self) -> bytes:
-        """What came after the last whole event (nothing, from a well-formed stream)."""
+    async def ending(self) -> bytes:
+        """What ends a stream the engine finished whole: for a judged one, what the judge adds (a comment
+        naming the escalation) before the held-back `[DONE]`; then what came after the last whole event
+        (nothing, from a well-formed stream)."""
         rest, self._buf = self._buf, b""
-        return rest
+        if self.judge is None or self._held is None:
+            return rest
+        return await self.judge.after(self.judge.acc.result()) + self._held + rest
 
     def broke_off(self, e: BaseException) -> bytes:
         """The engine went away mid-answer: the error event that ends the stream, which the OpenAI client
@@ -117,35 +122,6 @@ class EventFilter:
             self.rec.completion = "".join(self.texts)
 
 
-async def relay(chunks: AsyncIterable[bytes], close: Callable[[], Awaitable[None]], rec: RequestRecord, t0: float,
-                strip_usage: bool, flight: Flight, on_first: Callable[[], None] = lambda: None,
-                judge: StreamJudge | None = None) -> AsyncIterator[bytes]:
-    """The client's stream: whole events as they complete; `close` runs however it ends."""
-    events = EventFilter(rec, t0, strip_usage, flight, on_first, judge)
-    try:
-        async for chunk in chunks:
-            ready = events.feed(chunk)
-            if judge is not None and _DONE in ready:
-                # The answer is complete: judge it before the client sees the end of the stream.
-                head, tail = ready.split(_DONE, 1)
-                ready = head + await judge.after(judge.acc.result()) + _DONE + tail
-            if ready:
-                yield ready
-                flight.sent()
-        rest = events.rest()
-        if rest:
-            yield rest
-    except UPSTREAM_ERRORS as e:
-        yield events.broke_off(e)
-    except asyncio.CancelledError:
-        events.client_left()
-        raise
-    finally:
-        # Closing an unfinished upstream stream drops the connection: vLLM aborts the request.
-        await close()
-        events.finish()
-
-
 def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None,
                    judge: StreamJudge | None = None) -> bytes:
     """Whole events: usage taken into `rec`, text into `texts`, log-probabilities into the judge."""
@@ -155,6 +131,8 @@ def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: l
             continue
         if event.startswith(b"data: {"):
             is_usage = _USAGE_MARK in event
+            # vLLM's usage-only event, tested as vLLM wrote it (hiding log-probabilities re-encodes it)
+            usage_only = is_usage and strip_usage and _EMPTY_CHOICES in event
             if is_usage or texts is not None or judge is not None:
                 with contextlib.suppress(ValueError):
                     data = json.loads(event[6:])
@@ -167,7 +145,7 @@ def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: l
                         if judge.hide:
                             answers.hide_logprobs(data)
                             event = b"data: " + json.dumps(data).encode()
-            if is_usage and strip_usage and _EMPTY_CHOICES in event:
+            if usage_only:
                 continue
         kept.append(event + b"\n\n")
     return b"".join(kept)

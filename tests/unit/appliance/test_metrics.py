@@ -7,12 +7,11 @@ import asyncio
 import httpx
 
 from appliance import keys
-from appliance.engine.args import build_launch
 from appliance.engine.supervisor import EngineState, EngineStatus
 from appliance.engine_watch import EngineWatch
 from appliance.metrics import Metrics
 from appliance.store import RequestRecord
-from tests.unit.appliance.api.inprocess import app, call, gateway
+from tests.unit.appliance.api.inprocess import app, call, serving
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -95,9 +94,8 @@ def test_a_scrape_never_calls_the_engine(tmp_path):
         return httpx.Response(200, text=ENGINE_TEXT)
 
     # An engine that answers, on the gateway's own client: a scrape that still called it would be seen.
-    made = gateway(tmp_path, required=False, transport=httpx.MockTransport(engine))
-    cfg, application, log, gw = made.cfg, made.app, made.log, made.gateway
-    gw.supervisor.launch = build_launch(cfg, [], "k")
+    made = serving(tmp_path, engine)
+    application, log, gw = made.app, made.log, made.gateway
     watch = EngineWatch(gw.client, lambda: gw.supervisor.base_url,
                         on_error=gw.metrics.engine_scrape_errors.inc)
     gw.metrics.attach_engine(lambda: watch.latest_text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 
@@ -32,11 +33,11 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
     """GET /v1/appliance/requests: a stream the engine has begun shows as streaming with a chunk from the
     engine handed to the client; once it ends, and after an engine error, the list is empty again."""
 
-    release = asyncio.Event()
+    release = threading.Event()  # the engine answers in its own thread (tests/unit/appliance/api/scripted_engine.py)
 
     async def events():
         yield b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
-        await release.wait()
+        await asyncio.to_thread(release.wait, 10)
         yield b'data: {"choices":[{"index":0,"text":"b"}]}\n\ndata: [DONE]\n\n'
 
     def engine(request: httpx.Request) -> httpx.Response:

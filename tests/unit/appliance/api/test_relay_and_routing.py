@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from appliance.api.errors import ApiError
 from appliance.api.inflight import Flight
-from appliance.api.relay import relay
+from appliance.api.relay import EventFilter, StreamJudge
 from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.store import RequestRecord
 from cascade.policy import Decision
@@ -20,48 +19,65 @@ def _event(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"  # as vLLM writes it
 
 
-def _run(chunks: list[bytes], strip_usage: bool, keep_text: bool = False, fail: bool = False):
+def _run(chunks: list[bytes], strip_usage: bool, keep_text: bool = False, fail: bool = False,
+         judge: StreamJudge | None = None):
+    """The chunks through a stream's EventFilter as the splice feeds them: what the client gets, the record."""
     rec = RequestRecord(id="r1", ts=0.0, route="/v1/completions", model="m", status=200, stream=True,
                         prompt="hi" if keep_text else None)
-    closed: list[bool] = []
-
-    async def upstream():
-        for c in chunks:
-            yield c
-        if fail:
-            raise httpx.ReadError("engine gone")
-
-    async def close() -> None:
-        closed.append(True)
-
-    async def collect() -> bytes:
-        return b"".join([c async for c in relay(upstream(), close, rec, 0.0, strip_usage,
-                                                 Flight("r1", "/v1/completions", "silver", True))])
-
-    return asyncio.run(collect()), rec, closed
+    events = EventFilter(rec, 0.0, strip_usage, Flight("r1", "/v1/completions", "silver", True), judge=judge)
+    out = b"".join(events.feed(c) for c in chunks)
+    out += events.broke_off(ConnectionError("engine gone")) if fail else asyncio.run(events.ending())
+    events.finish()
+    return out, rec
 
 
 TEXT = _event({"choices": [{"index": 0, "text": "Par"}]}) + _event({"choices": [{"index": 0, "text": "is"}]})
 USAGE = _event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+DONE = b"data: [DONE]\n\n"
 
 
-def test_the_relay_takes_usage_and_strips_it_when_the_client_did_not_ask():
+def test_the_filter_takes_usage_and_strips_it_when_the_client_did_not_ask():
     # an event split across chunks is passed on whole, once complete
-    out, rec, closed = _run([TEXT[:10], TEXT[10:], USAGE, b"data: [DONE]\n\n"], strip_usage=True, keep_text=True)
-    assert out == TEXT + b"data: [DONE]\n\n"
+    out, rec = _run([TEXT[:10], TEXT[10:], USAGE, DONE], strip_usage=True, keep_text=True)
+    assert out == TEXT + DONE
     assert (rec.prompt_tokens, rec.completion_tokens, rec.completion) == (5, 2, "Paris")
-    assert closed == [True] and rec.ttft_ms is not None
+    assert rec.ttft_ms is not None
 
 
-def test_the_relay_keeps_usage_for_a_client_that_asked():
-    out, rec, _ = _run([TEXT + USAGE + b"data: [DONE]\n\n"], strip_usage=False)
+def test_the_filter_keeps_usage_for_a_client_that_asked():
+    out, rec = _run([TEXT + USAGE + DONE], strip_usage=False)
     assert USAGE in out and rec.completion_tokens == 2
 
 
 def test_a_broken_engine_stream_ends_with_an_error_event():
-    out, rec, closed = _run([TEXT], strip_usage=True, fail=True)
+    out, rec = _run([TEXT], strip_usage=True, fail=True)
     last = json.loads(out.rsplit(b"data: ", 1)[1])
-    assert last["error"]["code"] == "engine_stream_broken" and rec.status == 502 and closed == [True]
+    assert last["error"]["code"] == "engine_stream_broken" and rec.status == 502
+
+
+def test_a_judged_stream_s_end_waits_for_the_judge():
+    """[DONE] is held back by the filter, whatever the chunking, and the end hook puts the judge's word
+    before it; the log-probabilities the judge read are hidden from a client that did not ask."""
+    heard: list[int] = []
+
+    async def after(tl) -> bytes:
+        heard.append(len(tl.logprobs))
+        return b": judged\n\n"
+
+    scored = _event({"choices": [{"index": 0, "text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5],
+                                                                          "top_logprobs": [{"a": -0.5}]}}]})
+    judge = StreamJudge(hide=True, after=after)
+    whole = scored + USAGE + DONE
+    pieces = [whole[:7], whole[7:len(scored) + 3], whole[len(scored) + 3:]]
+    events_before_end: list[bytes] = []
+    rec = RequestRecord(id="r1", ts=0.0, route="/v1/completions", model="m", status=200, stream=True)
+    events = EventFilter(rec, 0.0, True, Flight("r1", "/v1/completions", "silver", True), judge=judge)
+    for piece in pieces:
+        events_before_end.append(events.feed(piece))
+    assert DONE not in b"".join(events_before_end) and heard == []
+    end = asyncio.run(events.ending())
+    assert end == b": judged\n\n" + DONE and heard == [1]
+    assert b"token_logprobs" in scored and b"-0.5" not in b"".join(events_before_end)
 
 
 @pytest.mark.parametrize(("refusal", "status", "code"), [

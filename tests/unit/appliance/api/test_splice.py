@@ -11,7 +11,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -27,10 +27,10 @@ from appliance.engine.args import build_launch
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
 from appliance.store import RequestLog
+from cascade.service import Cascade
 from tests import loopback
 from tests.support import serve_in_thread, short_private_dir
-
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+from tests.unit.appliance.api.scripted_engine import Script, ScriptedEngine, send_chunk, send_end, send_head
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -44,71 +44,9 @@ USAGE = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
 DONE = b"data: [DONE]\n\n"
 
 
-class ScriptedEngine:
-    """A Unix-socket server in its own thread: each connection's request is read, then `script` answers."""
-
-    def __init__(self, path: Path, script: Script) -> None:
-        self.path, self.script = path, script
-        self.requests: list[bytes] = []
-        self.peer_closed = threading.Event()  # a connection was closed by the gateway before the script ended
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        async def serve() -> None:
-            self.server = await asyncio.start_unix_server(self._conn, str(path))
-            ready.set()
-
-        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(serve()), self.loop.run_forever()),
-                                       daemon=True)
-        self.thread.start()
-        assert ready.wait(5)
-
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-        self.requests.append(head + await reader.readexactly(length))
-        try:
-            await self.script(reader, writer)
-        except (ConnectionError, OSError):
-            self.peer_closed.set()
-        finally:
-            writer.close()
-
-    def stop(self) -> None:
-        """Scripts still running are cancelled, and the thread ends (a second call does nothing)."""
-        if not self.thread.is_alive():
-            return
-
-        async def shut() -> None:
-            self.server.close()
-            running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in running:
-                t.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-async def send_head(writer: asyncio.StreamWriter, status: int = 200) -> None:
-    writer.write(b"HTTP/1.1 %d OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" % status)
-    await writer.drain()
-
-
-async def send_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-    await writer.drain()
-
-
-async def send_end(writer: asyncio.StreamWriter) -> None:
-    writer.write(b"0\r\n\r\n")
-    await writer.drain()
-
-
 @contextmanager
-def gateway_on(tmp_path: Path, script: Script, timeout_s: float = 5.0) -> Iterator[tuple[int, ScriptedEngine, Gateway, Path]]:
+def gateway_on(tmp_path: Path, script: Script, timeout_s: float = 5.0,
+               cascade: Cascade | None = None) -> Iterator[tuple[int, ScriptedEngine, Gateway, Path]]:
     """The daemon's app on uvicorn with the guarded connection layer, its engine `script` on a Unix socket."""
     cfg = config.parse(f'[model]\npath = "{tmp_path}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     sock = short_private_dir()
@@ -118,7 +56,7 @@ def gateway_on(tmp_path: Path, script: Script, timeout_s: float = 5.0) -> Iterat
     log = RequestLog(cfg.database_path, keep_text=False)
     log.start()
     gw = Gateway(EngineSupervisor(cfg, []), GatewaySettings("m", 1 << 20, 3, timeout_s, engine_socket=sock), log,
-                 Metrics())
+                 Metrics(), cascade=cascade)
     gw.supervisor.launch = build_launch(cfg, [], "k")
     gw.supervisor.status.state = EngineState.READY
     app = create_app(gw, verifier=keys.KeyVerifier(cfg.database_path, ttl_s=5), keys_required=False)
@@ -285,3 +223,92 @@ def test_an_engine_refusal_is_read_whole_and_a_missing_engine_socket_is_a_503(tm
         assert r.headers["retry-after"] == "3"
         assert gw.local_in_flight == 0
     assert spliced.call_count == 0  # neither was a stream
+
+
+def test_in_process_tests_run_the_same_splice_over_asgi_send(tmp_path, spliced):
+    """httpx's ASGI transport (the in-process harness) puts no ClientWriter in the scope: the gateway splices
+    all the same, writing through AsgiWriter, and the stream arrives whole with the usage stripped."""
+    import httpx
+
+    from tests.unit.appliance.api.inprocess import serving
+
+    async def chunks():
+        for i in range(3):
+            yield event(i)
+        yield USAGE + DONE
+
+    made = serving(tmp_path, lambda r: httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                                       content=chunks()))
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json=CHAT)
+
+    try:
+        r = asyncio.run(go())
+        assert r.status_code == 200 and r.content == event(0) + event(1) + event(2) + DONE
+        assert logged(made.cfg.database_path) == [(200, None, 7)]
+        assert made.gateway.local_in_flight == 0
+    finally:
+        made.log.close()
+    assert spliced.call_count == 1
+
+
+def test_asgi_writer_pauses_past_its_high_water_and_reports_a_failed_send():
+    sent: list[bytes] = []
+    gate = asyncio.Event()
+
+    async def send(message):
+        await gate.wait()
+        if message["body"] == b"boom":
+            raise OSError("gone")
+        sent.append(message["body"])
+
+    async def scenario():
+        out = splice.AsgiWriter(send, high_water=4)
+        assert out.write(b"abc") and not out.paused
+        assert out.write(b"defg") and out.paused  # 7 bytes wait to be sent
+        assert out.write(b"")  # nothing queued: an empty body message would say nothing
+        gate.set()
+        await out.drain()
+        assert sent == [b"abc", b"defg"] and not out.paused and not out.gone
+        out.write(b"boom")
+        await out.flush()
+        assert out.gone and not out.write(b"more")
+
+    asyncio.run(scenario())
+
+
+def test_a_judged_stream_holds_its_done_until_the_judge_has_queued_the_escalation(tmp_path, spliced):
+    """Under the auto policy the splice's end hook runs the judge once the engine's answer is complete: a
+    doubtful answer's escalation is named in a comment before [DONE], and the log-probabilities the gateway
+    asked for are hidden from a client that did not."""
+    from cascade.outbox import Outbox
+    from cascade.policy import PolicyConfig, Thresholds
+    from cascade.service import Cascade
+
+    doubtful = (b'data: {"choices":[{"index":0,"delta":{"content":"x"},"logprobs":{"content":[{"token":"x",'
+                b'"logprob":-9.0,"top_logprobs":[{"token":"x","logprob":-9.0},{"token":"y","logprob":-9.1}]}]}}]}\n\n')
+
+    async def script(reader, writer):
+        await send_head(writer)
+        for _ in range(4):
+            await send_chunk(writer, doubtful)
+        await send_chunk(writer, USAGE + DONE)
+        await send_end(writer)
+
+    box = Outbox(tmp_path / "outbox.db")
+    cascade = Cascade(PolicyConfig(regional_enabled=True, default="auto", local_model="m",
+                                   thresholds=Thresholds(quantile_logprob=-1.6)), box, None, None)
+    with gateway_on(tmp_path, script, cascade=cascade) as (port, engine, _, db), loopback.client() as c:
+        with c.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT) as r:
+            body = b"".join(r.iter_raw())
+        sent = json.loads(engine.requests[0].split(b"\r\n\r\n", 1)[1])
+        assert sent["logprobs"] is True  # asked of the engine for the judge
+        assert body.endswith(DONE) and b"\"logprob\"" not in body and b"\"logprobs\": null" in body
+        assert b"usage" not in body  # the client did not ask for it (found here: hiding logprobs re-encoded it)
+        comment = body.rsplit(b"\n\n", 3)[-3]
+        assert comment.startswith(b": appliance-escalation-id="), body[-300:]
+        assert box.stats()["depth"] == 1
+        assert logged(db) == [(200, None, 7)]
+    assert spliced.call_count == 1
