@@ -208,7 +208,7 @@ class Daemon:
 
     def _dump_state(self) -> None:
         """SIGUSR1: what the daemon is doing now, to the log (appliance.state_dump)."""
-        log.warning("%s", state_dump.render(self.gateway.inflight.snapshot()))
+        log.warning("%s", state_dump.render(self.gateway.exchanges.snapshot()))
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""

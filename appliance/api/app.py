@@ -124,7 +124,7 @@ def operator_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
     async def appliance_requests() -> dict[str, Any]:
         """The generation requests the gateway holds now, oldest first: phase, age, and for a stream the
         chunks read from the engine and handed to the client (with the seconds since each last moved)."""
-        out: dict[str, Any] = {"object": "list", "data": gateway.inflight.snapshot(),
+        out: dict[str, Any] = {"object": "list", "data": gateway.exchanges.snapshot(),
                                "engine_local_in_flight": gateway.local_in_flight}
         if gateway.admission is not None:
             load = gateway.admission.load()

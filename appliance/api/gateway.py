@@ -1,19 +1,16 @@
 """The gateway: an OpenAI request in, the local engine's (or the regional cluster's) answer out.
 
-It composes the rooms beside it: intake (body, id, estimates), routing (policy, regional answers,
-judging), admission (a slot per request, by priority class), relay (SSE), disconnect handling and
-recording. It also keeps the leases of the requests the local engine is answering, so a planned
-relaunch can let them finish.
+It composes the rooms beside it: intake (body, id, estimates), route_choice and routing (where it is
+answered: policy, regional answers, judging), admission (a slot per request, by priority class), the
+splice (local streams) and disconnect handling. Each request is one `Exchange` (appliance.api.exchange),
+which owns its ending: whatever way `generate` leaves, the exchange is closed exactly once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,6 @@ from typing import Any
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
@@ -30,10 +26,9 @@ from appliance.api import answers
 from appliance.api.disconnect import ClientGone, race_disconnect, read_or_leave
 from appliance.api.engine_stream import EngineLinkError, EngineStream
 from appliance.api.errors import ApiError, error_body, retry_later
+from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.http_protocol import BODY_TIMED_OUT
-from appliance.api.inflight import Flight, InFlight
-from appliance.api.intake import Job, body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
-from appliance.api.recording import Recorder
+from appliance.api.intake import body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
 from appliance.api.relay import EventFilter, refused_at_start
 from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.api.routing import Routing
@@ -41,7 +36,7 @@ from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
 from appliance.engine.supervisor import EngineState, EngineSupervisor
 from appliance.metrics import Metrics
-from appliance.store import RequestLog, RequestRecord
+from appliance.store import RequestLog
 from cascade.policy import PRIORITY_CLASSES
 from cascade.service import Cascade
 
@@ -84,8 +79,8 @@ class Gateway:
         self.cascade = cascade
         self.settings = settings
         self.metrics = metrics
-        self.recorder = Recorder(request_log, metrics)
-        self.routing = Routing(cascade, settings.served_name, self.recorder, settings.retry_after_s)
+        self.exchanges = Exchanges(request_log, metrics, admission)
+        self.routing = Routing(cascade, settings.served_name, settings.retry_after_s)
         # The engine's only way in (appliance.engine.args) is its private Unix socket. Generation requests,
         # the hot path, go over a protocol of our own (appliance.api.engine_stream says why); the model
         # list over one pooled httpx client (no TLS there, so verify=False: no CA bundle parsed for nothing).
@@ -95,41 +90,18 @@ class Gateway:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0, pool=settings.upstream_timeout_s),
             limits=limits, transport=transport)
-        # The requests the local engine is answering, so a planned relaunch can let them finish (drained).
-        self._local: set[Lease] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def inflight(self) -> InFlight:
-        return self.recorder.inflight
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    # -- the local engine's leases ----------------------------------------------------------
-
     @property
     def local_in_flight(self) -> int:
-        return len(self._local)
+        """Requests the local engine is answering now."""
+        return self.exchanges.engine_answering
 
     async def drained(self, timeout: float) -> int:
         """Wait until the local engine answers no request, at most `timeout` s; returns how many still run."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        return len(self._local)
-
-    def lease(self, ticket: Ticket | None) -> Lease:
-        lease = Lease(ticket, self._end_lease)
-        self._local.add(lease)
-        self._idle.clear()
-        return lease
-
-    def _end_lease(self, lease: Lease) -> None:
-        self._local.discard(lease)
-        self._release(lease.ticket)
-        if not self._local:
-            self._idle.set()
+        return await self.exchanges.drained(timeout)
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -168,88 +140,81 @@ class Gateway:
                             f"'{self.settings.served_name}'", code="model_not_found", param="model")
 
     async def generate(self, request: Request, route: str, schema: type) -> Response:
-        rid = request_id(request)
-        t0 = time.perf_counter()
+        """One generation request, start to end: every way out of here closes its exchange once."""
         key = request.scope.get("state", {}).get("api_key")
         cls = key.priority_class if key else self.settings.default_class
-        rec = RequestRecord(id=rid, ts=time.time(), route=route, model=None, status=0, stream=False,
-                            key_id=key.id if key else None, extra={"class": cls})
+        ex = self.exchanges.open(request_id(request), route, cls, key)
         try:
-            return await self._generate(request, schema, rec, t0, key, cls)
-        except ApiError:
-            raise
+            return await self._generate(request, schema, ex)
+        except ApiError as e:
+            raise ex.refused(e) from None
+        except ClientGone:
+            return ex.gone()
         except ClientDisconnect:  # left while sending the body: theirs to end, not a fault of ours
             if request.scope.get("state", {}).get(BODY_TIMED_OUT):  # the connection layer ended it: 408 sent
-                return self.recorder.client_gone(rec, t0, 408, "body_timeout")
-            return self.recorder.client_gone(rec, t0)
+                return ex.gone(408, "body_timeout")
+            return ex.gone()
         except Exception as e:
             # A fault of the gateway's own: one log record with its traceback, the request in the
             # metrics and the request log like any other, and an OpenAI-style 500 on a connection that
             # stays open (an exception left to Starlette is logged twice and closes it).
-            log.exception("request %s: %s in the gateway", rid, type(e).__name__, extra={"REQUEST_ID": rid})
+            log.exception("request %s: %s in the gateway", ex.id, type(e).__name__, extra={"REQUEST_ID": ex.id})
             if self.metrics is not None:
-                self.metrics.observe_fault(rec.route)
-            raise self.recorder.failed(rec, t0, ApiError(
-                500, f"internal error in the appliance (request {rid}); its log has the details",
-                code="internal_error")) from None
+                self.metrics.observe_fault(route)
+            raise ex.refused(ApiError(500, f"internal error in the appliance (request {ex.id}); its log has the "
+                                           "details", code="internal_error")) from None
+        except BaseException:  # cancelled: the server is stopping, or the client left mid-await
+            ex.close(499, "client_disconnected")
+            raise
 
-    async def _generate(self, request: Request, schema: type, rec: RequestRecord, t0: float, key: Any,
-                        cls: str) -> Response:
-        rid, route = rec.id, rec.route
+    async def _generate(self, request: Request, schema: type, ex: Exchange) -> Response:
+        rec = ex.rec
         body: Any = None
         try:
             body = await read_json(request, self.settings.max_body_bytes)
             parsed = validate_body(schema, body)
-            text = prompt_text(body)  # once: for the estimate and, when kept, the request log
-            prompt_tokens, most = estimate_tokens(text), max_tokens(parsed)
-            seqs = self._sequences(parsed)
-            limit = self._class_token_limit(cls)
-            if most is None and limit is not None:
-                # Left out or null means "as many as the context allows" to the engine: the class limit
-                # applies to that too, so the engine is told it.
-                body["max_tokens"] = most = limit
-            decision = self.routing.decide(request.headers, parsed.model, prompt_tokens, most, key)
-            way = choose_route(decision, model=parsed.model, served_name=self.settings.served_name,
-                               serves_regionally=self.routing.serves_regionally(parsed.model),
-                               engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable)
-            if isinstance(way, Refuse):
-                raise way.error
-        except ApiError as e:
-            rec.model = body_model(body)
-            raise self.recorder.failed(rec, t0, e) from None
-
+        finally:
+            rec.model = body_model(body)  # for the request log, also of a refused request
+        text = prompt_text(body)  # once: for the estimate and, when kept, the request log
+        ex.prompt_tokens, ex.max_tokens = estimate_tokens(text), max_tokens(parsed)
+        ex.seqs = self._sequences(parsed)
+        limit = self._class_token_limit(ex.cls)
+        if ex.max_tokens is None and limit is not None:
+            # Left out or null means "as many as the context allows" to the engine: the class limit
+            # applies to that too, so the engine is told it.
+            body["max_tokens"] = ex.max_tokens = limit
+        ex.decision = self.routing.decide(request.headers, parsed.model, ex.prompt_tokens, ex.max_tokens,
+                                          ex.tenant)
+        way = choose_route(ex.decision, model=parsed.model, served_name=self.settings.served_name,
+                           serves_regionally=self.routing.serves_regionally(parsed.model),
+                           engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable)
+        if isinstance(way, Refuse):
+            raise way.error
         rec.model, rec.stream = parsed.model, bool(parsed.stream)
-        if self.recorder.keeps_text:
+        if self.exchanges.keeps_text:
             rec.prompt = text
-        job = Job(rec=rec, t0=t0, body=body, original=dict(body), stream=rec.stream,
-                  client_wants_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-                  cls=cls, tenant=key.tenant if key else None, decision=decision, prompt_tokens=prompt_tokens,
-                  seqs=seqs,
-                  max_tokens=most, flight=self.inflight.start(rec, Flight(rid, route, cls, rec.stream)))
-        try:
-            return await self._route(request, job, way)
-        except BaseException:
-            self.inflight.end(rec)  # whatever the error, the request is over
-            raise
+        ex.body, ex.original = body, dict(body)
+        ex.client_wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        return await self._route(request, ex, way)
 
-    async def _route(self, request: Request, job: Job, way: Local | Regional) -> Response:
+    async def _route(self, request: Request, ex: Exchange, way: Local | Regional) -> Response:
         match way:
             case Regional(fallback_local=fallback_local):
-                answered = await self.routing.answer_regionally(job, fallback_local)
+                answered = await self.routing.answer_regionally(ex, fallback_local)
                 if answered is not None:
                     return answered
-                return await self._answer_locally(request, job)  # the link could not deliver: the fallback
+                return await self._answer_locally(request, ex)  # the link could not deliver: the fallback
             case Local(judge=judge, queue_escalation=queue_escalation):
                 if queue_escalation:
-                    assert job.decision is not None
-                    job.escalation = await self.routing.escalate(job, sync=False, reason=job.decision.reason)
+                    assert ex.decision is not None
+                    ex.escalation = await self.routing.escalate(ex, sync=False, reason=ex.decision.reason)
                 if judge:
-                    job.judge = True
-                    job.client_wants_logprobs = answers.request_logprobs(
-                        job.body, chat=job.rec.route == "/v1/chat/completions")
+                    ex.judge = True
+                    ex.client_wants_logprobs = answers.request_logprobs(
+                        ex.body, chat=ex.route == "/v1/chat/completions")
                 if self.cascade is not None:
                     self.cascade.count("local")
-                return await self._answer_locally(request, job)
+                return await self._answer_locally(request, ex)
 
     def _sequences(self, parsed: Any) -> int:
         """The sequences the engine runs for this request (n, or best_of when larger), within max_choices."""
@@ -276,134 +241,98 @@ class Gateway:
             return e
         return None
 
-    async def _answer_locally(self, request: Request, job: Job) -> Response:
-        rec, body = job.rec, job.body
-        base = self.supervisor.base_url or self.require_ready()  # launched: the route found it ready
-        if job.stream and not job.client_wants_usage:
+    async def _answer_locally(self, request: Request, ex: Exchange) -> Response:
+        body = ex.body
+        if ex.stream and not ex.client_wants_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         if self.admission is not None:
             # The class, not the client, sets the engine's priority (lower first); with admission on the
             # engine runs vLLM's priority scheduling (engine.args.with_admission).
-            body["priority"] = PRIORITY_CLASSES.index(job.cls)
-        job.flight.enter("admission")
-        try:
-            ticket = await self._admit(request, AdmissionRequest(job.cls, job.prompt_tokens, job.max_tokens, job.seqs))
-        except ApiError as e:
-            raise self.recorder.failed(rec, job.t0, e) from None
-        except ClientGone:
-            return self.recorder.client_gone(rec, job.t0)
+            body["priority"] = PRIORITY_CLASSES.index(ex.cls)
+        ex.enter("admission")
+        ex.hold(await self._admit(request, AdmissionRequest(ex.cls, ex.prompt_tokens, ex.max_tokens, ex.seqs)))
         admitted = time.perf_counter()
-        lease = self.lease(ticket)
-        try:
-            return await self._forward(request, base, job, lease, admitted)
-        except BaseException:
-            lease.end()
-            raise
+        ex.enter("engine")
+        upstream = await race_disconnect(request, self._post(ex.route, json.dumps(body).encode(), ex.id))
+        headers = {"X-Request-Id": ex.id}
+        if ex.ticket is not None:  # what admission expected: compare it with the first token's arrival
+            headers[PREDICTED_TTFT] = str(round(ex.ticket.predicted_s * 1000))
+        if ex.decision is not None:
+            headers.update(answers.headers_for(ex.escalation, ex.decision.reason, "local"))
+        if upstream.status_code != 200 or not ex.stream:
+            return await self._answer_whole(request, upstream, ex, headers)
+        return await self._answer_stream(request, upstream, ex, admitted, headers)
 
     async def _admit(self, request: Request, req: AdmissionRequest) -> Ticket | None:
         if self.admission is None:
             return None
+        gate = self.admission
         try:
-            now = self.admission.admit_now(req)
+            now = gate.admit_now(req)
             if isinstance(now, Ticket):
                 return now
-            return await race_disconnect(request, self.admission.queue(req, now), discard=self._release_async)
+            return await race_disconnect(request, gate.queue(req, now), discard=_give_back(gate))
         except AdmissionRejected as e:
             v = e.verdict
             headers = {"Retry-After": str(v.retry_after_s)} if v.retry_after_s else {}
             raise ApiError(v.status, v.message, code=v.code, param="max_tokens" if v.status == 400 else None,
                            headers=headers) from None
 
-    def _release(self, ticket: Ticket | None) -> None:
-        if ticket is not None and self.admission is not None:
-            self.admission.release(ticket)
-
-    async def _release_async(self, ticket: Ticket) -> None:
-        self._release(ticket)
-
-    async def _forward(self, request: Request, base: str, job: Job, lease: Lease, admitted: float) -> Response:
-        rec, t0 = job.rec, job.t0
-        job.flight.enter("engine")
-        try:
-            upstream = await race_disconnect(request, self._post(rec.route, json.dumps(job.body).encode(), rec.id))
-        except ClientGone:
-            lease.end()
-            return self.recorder.client_gone(rec, t0)
-        except EngineLinkError as e:
-            lease.end()
-            raise self.recorder.failed(rec, t0, self._unreachable(e)) from None
-
-        headers = {"X-Request-Id": rec.id}
-        if lease.ticket is not None:  # what admission expected: compare it with the first token's arrival
-            headers[PREDICTED_TTFT] = str(round(lease.ticket.predicted_s * 1000))
-        if job.decision is not None:
-            headers.update(answers.headers_for(job.escalation, job.decision.reason, "local"))
-        if upstream.status_code != 200 or not job.stream:
-            return await self._answer_whole(request, upstream, job, lease, headers)
-        return await self._answer_stream(request, upstream, job, lease, admitted, headers)
-
-    async def _answer_whole(self, request: Request, upstream: EngineStream, job: Job, lease: Lease,
+    async def _answer_whole(self, request: Request, upstream: EngineStream, ex: Exchange,
                             headers: dict[str, str]) -> Response:
         """A whole answer (or the engine's refusal): read, judged when the cascade asks, recorded."""
-        rec, t0 = job.rec, job.t0
-        job.flight.enter("reading")
+        ex.enter("reading")
         try:
             content = await read_or_leave(request, upstream)
-        except ClientGone:
-            return self.recorder.client_gone(rec, t0)
         except EngineLinkError:
-            return self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
+            return ex.answered(502, _ENGINE_BROKE_OFF, headers)
         finally:
-            lease.end()  # the engine is done with it, whatever the judging below still does
-        if job.judge and upstream.status_code == 200:
-            return await self.routing.judged(job, content, headers)
-        return self.recorder.finish(rec, t0, upstream.status_code, content, headers)
+            ex.release()  # the engine is done with it, whatever the judging below still does
+        if ex.judge and upstream.status_code == 200:
+            return await self.routing.judged(ex, content, headers)
+        return ex.answered(upstream.status_code, content, headers)
 
-    async def _answer_stream(self, request: Request, upstream: EngineStream, job: Job, lease: Lease, admitted: float,
+    async def _answer_stream(self, request: Request, upstream: EngineStream, ex: Exchange, admitted: float,
                              headers: dict[str, str]) -> Response:
         """A stream: its first event read before the client's headers (an error there is a refusal, not a
-        200 stream), then spliced or relayed with the request's event filter."""
-        rec, t0 = job.rec, job.t0
-        ended: Response | None = None
+        200 stream), then spliced through the request's event filter."""
         try:
             first = await race_disconnect(request, anext(upstream, b""), discard=_keep)
-        except ClientGone:
-            ended = self.recorder.client_gone(rec, t0)
         except EngineLinkError:
-            ended = self.recorder.finish(rec, t0, 502, _ENGINE_BROKE_OFF, headers)
-        else:
-            refused = refused_at_start(first)
-            if refused is not None:
-                ended = self.recorder.finish(rec, t0, refused[0], refused[1], headers)
-        if ended is not None:
-            lease.end()
             await upstream.aclose()
-            return ended
-        rec.status = 200  # the stream has begun; the relay changes it if the stream breaks or the client leaves
-        job.flight.enter("streaming")
+            return ex.answered(502, _ENGINE_BROKE_OFF, headers)
+        except BaseException:
+            await upstream.aclose()
+            raise
+        refused = refused_at_start(first)
+        if refused is not None:
+            await upstream.aclose()
+            return ex.answered(refused[0], refused[1], headers)
+        ex.rec.status = 200  # the stream has begun; the filter changes it if the stream breaks or the client leaves
+        ex.enter("streaming")
 
         def first_token() -> None:
             if self.admission is not None:
-                self.admission.observe_prefill(job.prompt_tokens, time.perf_counter() - admitted)
+                self.admission.observe_prefill(ex.prompt_tokens, time.perf_counter() - admitted)
 
         async def on_close() -> None:
-            # Runs however the response ends, even when the client left before the relay started
-            # (then the generator never ran and only this closes the upstream and frees the slot).
-            lease.end()
-            self.inflight.end(rec)  # normally gone already (the request log's entry); not when the send failed
+            # However the response ends, even when the client left before the splice started.
             await upstream.aclose()
+            ex.close()
 
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        events = EventFilter(rec, t0, not job.client_wants_usage, job.flight, first_token,
-                             judge=self.routing.stream_judge(job) if job.judge else None)
-        return SplicedStream(upstream, first, events, on_close=on_close, headers=headers,
-                             background=BackgroundTask(self.recorder.record_after_response, rec, t0))
+        events = EventFilter(ex, not ex.client_wants_usage, first_token,
+                             judge=self.routing.stream_judge(ex) if ex.judge else None)
+        return SplicedStream(upstream, first, events, on_close=on_close, headers=headers)
 
     async def _post(self, path: str, body: bytes, rid: str) -> EngineStream:
         if self.settings.engine_socket is None:
             raise EngineLinkError("no engine socket is configured")
-        return await EngineStream.open(self.settings.engine_socket, path, body, self._auth(rid),
-                                       connect_s=_CONNECT_S, idle_s=self.settings.upstream_timeout_s)
+        try:
+            return await EngineStream.open(self.settings.engine_socket, path, body, self._auth(rid),
+                                           connect_s=_CONNECT_S, idle_s=self.settings.upstream_timeout_s)
+        except EngineLinkError as e:
+            raise self._unreachable(e) from None
 
     def _auth(self, rid: str | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}
@@ -419,15 +348,7 @@ class Gateway:
 PREDICTED_TTFT = "X-Appliance-Predicted-TTFT-Ms"
 
 
-@dataclass(eq=False)
-class Lease:
-    """A request the local engine is answering: its admission slot and its place in the drain count."""
-
-    ticket: Ticket | None
-    _on_end: Callable[[Lease], None]
-    ended: bool = False
-
-    def end(self) -> None:  # idempotent: every way a response can finish calls it
-        if not self.ended:
-            self.ended = True
-            self._on_end(self)
+def _give_back(gate: AdmissionGate) -> Any:
+    async def give_back(ticket: Ticket) -> None:  # a slot granted to a client already gone
+        gate.release(ticket)
+    return give_back

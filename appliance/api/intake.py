@@ -8,16 +8,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
 from appliance.api.errors import ApiError
-from appliance.api.inflight import Flight
-from appliance.store import RequestRecord
-from cascade.policy import Decision
-from cascade.service import EscalationResult
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_JSON_DEPTH = 64  # OpenAI request bodies nest a handful of levels (messages, content parts, tools' schemas)
@@ -136,25 +131,3 @@ def max_tokens(parsed: Any) -> int | None:
     if "max_completion_tokens" in type(parsed).model_fields:
         return parsed.max_completion_tokens or parsed.max_tokens
     return parsed.max_tokens
-
-
-@dataclass
-class Job:
-    """One generation request on its way through the gateway."""
-
-    rec: RequestRecord
-    t0: float
-    body: dict  # what goes to the engine (the gateway adds usage and log-probability requests) ...
-    original: dict  # ... and what the client sent, which is what an escalation forwards
-    stream: bool
-    client_wants_usage: bool
-    cls: str
-    tenant: str | None
-    decision: Decision | None
-    seqs: int  # sequences in the engine: n or best_of
-    prompt_tokens: int  # estimated once (see estimate_tokens) for the policy, admission and prefill speed
-    max_tokens: int | None
-    flight: Flight  # its line in GET /v1/appliance/requests until the request log has it
-    judge: bool = False  # auto policy: judge the local answer's confidence
-    client_wants_logprobs: bool = False
-    escalation: EscalationResult | None = None

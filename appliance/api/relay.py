@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from appliance.api import answers
 from appliance.api.errors import error_body
-from appliance.api.inflight import Flight
+from appliance.api.exchange import Exchange
 from appliance.api.recording import completion_text, take_usage
 from appliance.store import RequestRecord
 from cascade import signals
@@ -63,17 +63,17 @@ class EventFilter:
     log-probabilities handed to the judge and `[DONE]` held back for it. Synchronous: called once per
     chunk."""
 
-    def __init__(self, rec: RequestRecord, t0: float, strip_usage: bool, flight: Flight,
-                 on_first: Callable[[], None] = lambda: None, judge: StreamJudge | None = None) -> None:
-        self.rec, self.t0, self.strip_usage, self.flight = rec, t0, strip_usage, flight
-        self.on_first, self.judge = on_first, judge
-        self.texts: list[str] | None = [] if rec.prompt is not None else None
+    def __init__(self, exchange: Exchange, strip_usage: bool, on_first: Callable[[], None] = lambda: None,
+                 judge: StreamJudge | None = None) -> None:
+        self.exchange, self.rec, self.t0 = exchange, exchange.rec, exchange.t0
+        self.strip_usage, self.on_first, self.judge = strip_usage, on_first, judge
+        self.texts: list[str] | None = [] if self.rec.prompt is not None else None
         self._buf = b""
         self._held: bytes | None = None  # a judged stream's end, from its [DONE] on
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events `chunk` completes, ready for the client (often b"")."""
-        self.flight.received()
+        self.exchange.received()
         rec = self.rec
         if rec.ttft_ms is None:
             rec.ttft_ms = (time.perf_counter() - self.t0) * 1000

@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
 from appliance.api.disconnect import client_leaves
@@ -116,9 +115,8 @@ async def _nothing() -> Any:
 
 class SplicedStream(StreamingResponse):
     def __init__(self, upstream: EngineStream, first: bytes, events: EventFilter, *,
-                 on_close: Callable[[], Awaitable[None]], headers: dict[str, str],
-                 background: BackgroundTask | None) -> None:
-        super().__init__(_nothing(), media_type="text/event-stream", headers=headers, background=background)
+                 on_close: Callable[[], Awaitable[None]], headers: dict[str, str]) -> None:
+        super().__init__(_nothing(), media_type="text/event-stream", headers=headers)
         self._upstream, self._first, self._events = upstream, first, events
         self._on_close = on_close
         self._resume: asyncio.Task[None] | None = None  # waiting for the client's connection to drain
@@ -138,10 +136,8 @@ class SplicedStream(StreamingResponse):
                 self._resume.cancel()
             if isinstance(out, AsgiWriter):
                 out.close()
+            self._events.finish()  # the text, for the request log's row, before on_close records it
             await self._on_close()
-            self._events.finish()
-        if self.background is not None:
-            await self.background()
 
     def _sink(self, out: Writer, chunk: bytes) -> None:
         """Every chunk the engine sends, as its parser produces it."""
@@ -150,7 +146,7 @@ class SplicedStream(StreamingResponse):
             return
         if not out.write(ready):  # the client has gone: the pump hears it too, and on_close drops the engine
             return
-        self._events.flight.sent()
+        self._events.exchange.sent()
         if out.paused and self._resume is None:
             # The client reads slower than the engine writes: stop reading the engine until it drains.
             self._upstream.pause_reading()

@@ -88,17 +88,24 @@ def test_decayed_speculation_is_only_reported_unless_configured(tmp_path: Path):
     assert found["speculative"]["status"] == "warn"  # still advised, for the operator to decide
 
 
+def _answering(daemon):
+    """A request the local engine is answering, as the gateway holds one."""
+    ex = daemon.gateway.exchanges.open("req-1", "/v1/completions", "silver", None)
+    ex.hold(None)
+    return ex
+
+
 def test_the_relaunch_waits_for_the_answers_in_flight(tmp_path: Path):
     """A planned relaunch refuses new work, then lets the engine finish what it is answering."""
     daemon, sup = _daemon(tmp_path, act=True)
     _feed(daemon, 0.1)
 
     async def scenario() -> None:
-        lease = daemon.gateway.lease(None)  # a request the local engine is answering
+        answering = _answering(daemon)
         acting = asyncio.create_task(daemon.remedies.act())
         await asyncio.sleep(0.5)
         assert not acting.done() and not sup.relaunched, "the engine was relaunched under a request in flight"
-        lease.end()
+        answering.close(200)
         assert await asyncio.wait_for(acting, 5)
         assert len(sup.relaunched) == 1 and daemon.gateway.local_in_flight == 0
 
@@ -111,7 +118,7 @@ def test_the_drain_is_bounded(tmp_path: Path, caplog):
     _feed(daemon, 0.1)
 
     async def scenario() -> None:
-        daemon.gateway.lease(None)  # never ends
+        _answering(daemon)  # never ends
         t = time.monotonic()
         assert await daemon.remedies.act()
         assert 0.3 <= time.monotonic() - t < 3 and len(sup.relaunched) == 1

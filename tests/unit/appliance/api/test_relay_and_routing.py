@@ -8,10 +8,9 @@ import json
 import pytest
 
 from appliance.api.errors import ApiError
-from appliance.api.inflight import Flight
+from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.relay import EventFilter, StreamJudge
 from appliance.api.route_choice import Local, Refuse, Regional, choose_route
-from appliance.store import RequestRecord
 from cascade.policy import Decision
 
 
@@ -19,12 +18,19 @@ def _event(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"  # as vLLM writes it
 
 
+def _exchange(keep_text: bool = False) -> Exchange:
+    ex = Exchanges(None, None, None).open("r1", "/v1/completions", "silver", None)
+    ex.rec.model, ex.rec.stream, ex.rec.status = "m", True, 200
+    ex.rec.prompt = "hi" if keep_text else None
+    return ex
+
+
 def _run(chunks: list[bytes], strip_usage: bool, keep_text: bool = False, fail: bool = False,
          judge: StreamJudge | None = None):
     """The chunks through a stream's EventFilter as the splice feeds them: what the client gets, the record."""
-    rec = RequestRecord(id="r1", ts=0.0, route="/v1/completions", model="m", status=200, stream=True,
-                        prompt="hi" if keep_text else None)
-    events = EventFilter(rec, 0.0, strip_usage, Flight("r1", "/v1/completions", "silver", True), judge=judge)
+    ex = _exchange(keep_text)
+    rec = ex.rec
+    events = EventFilter(ex, strip_usage, judge=judge)
     out = b"".join(events.feed(c) for c in chunks)
     out += events.broke_off(ConnectionError("engine gone")) if fail else asyncio.run(events.ending())
     events.finish()
@@ -70,8 +76,7 @@ def test_a_judged_stream_s_end_waits_for_the_judge():
     whole = scored + USAGE + DONE
     pieces = [whole[:7], whole[7:len(scored) + 3], whole[len(scored) + 3:]]
     events_before_end: list[bytes] = []
-    rec = RequestRecord(id="r1", ts=0.0, route="/v1/completions", model="m", status=200, stream=True)
-    events = EventFilter(rec, 0.0, True, Flight("r1", "/v1/completions", "silver", True), judge=judge)
+    events = EventFilter(_exchange(), True, judge=judge)
     for piece in pieces:
         events_before_end.append(events.feed(piece))
     assert DONE not in b"".join(events_before_end) and heard == []
