@@ -42,7 +42,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from appliance import config  # noqa: E402
+from appliance.boot import config  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
 from appliance.engine.supervisor import prepare_socket_dir  # noqa: E402
 from bench.gateway_overhead import NGINX, cpu, default_config, start_nginx  # noqa: E402
@@ -66,11 +66,11 @@ def appliance_gateway(port: int, tmp: str) -> None:
     import uvicorn
     import uvloop
 
-    from appliance import config
-    from appliance.assembly import build
-    from appliance.daemon import server_config
+    from appliance.boot import config
+    from appliance.boot.assembly import build
+    from appliance.boot.planning import plan_for_config
     from appliance.engine.supervisor import EngineState
-    from appliance.planning import plan_for_config
+    from appliance.runtime.daemon import server_config
 
     cfg = config.load(str(default_config(Path(tmp))))
     daemon = build(cfg, plan_for_config(cfg, ask_vllm=False))

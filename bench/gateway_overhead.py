@@ -45,8 +45,9 @@ import tomli_w
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from appliance import config, keys  # noqa: E402
+from appliance.boot import config  # noqa: E402
 from appliance.engine.args import ENGINE_BASE_URL  # noqa: E402
+from appliance.store import keys  # noqa: E402
 from bench.least_fronts import least_splice, wait_listening  # noqa: E402
 from tests.support import (  # noqa: E402
     default_model_path,

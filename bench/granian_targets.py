@@ -49,10 +49,10 @@ def relay():
 
 def appliance():
     """The daemon's app as gateway_floor.appliance_gateway builds it (its engine marked ready)."""
-    from appliance import config
-    from appliance.assembly import build
+    from appliance.boot import config
+    from appliance.boot.assembly import build
+    from appliance.boot.planning import plan_for_config
     from appliance.engine.supervisor import EngineState
-    from appliance.planning import plan_for_config
     from bench.gateway_overhead import default_config
 
     cfg = config.load(str(default_config(Path(os.environ["APPLIANCE_TMP"]))))

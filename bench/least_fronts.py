@@ -33,10 +33,10 @@ def least_splice(port: int, engine_socket: str) -> None:
     import uvicorn
     import uvloop
 
-    from appliance import config
     from appliance.api.engine_stream import EngineStream
     from appliance.api.http_protocol import CLIENT_WRITER
-    from appliance.daemon import server_config
+    from appliance.boot import config
+    from appliance.runtime.daemon import server_config
 
     async def app(scope: dict, receive, send) -> None:
         if scope["type"] != "http":

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance.config import default_objectives
+from appliance.boot.config import default_objectives
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders
 from cascade.outbox import Outbox

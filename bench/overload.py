@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from appliance import keys
 from appliance.engine.args import ENGINE_BASE_URL
+from appliance.store import keys
 from tests.support import RunningAppliance, start_appliance
 
 CLASSES = ("gold", "silver", "bronze")

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import uvicorn
 
-from appliance import config
+from appliance.boot import config
 from appliance.engine.args import ENGINE_BASE_URL
 from tests import loopback
 
@@ -128,7 +128,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 def default_model_path() -> Path:
-    from appliance.default_model import default_model_dir, install_default, is_converted
+    from appliance.boot.default_model import default_model_dir, install_default, is_converted
 
     path = Path(os.environ.get("APPLIANCE_TEST_MODEL", default_model_dir()))
     if not is_converted(path) and not (path / "config.json").is_file():
@@ -392,15 +392,15 @@ def sockets(app: RunningAppliance) -> str:
 
 def other_threads() -> str:
     """Where this process's other threads (stream readers, pools) are: connecting, waiting for headers, reading."""
-    from appliance.state_dump import thread_stacks
+    from appliance.ops.state_dump import thread_stacks
 
     return "\n".join(thread_stacks(skip=threading.get_ident())) or "(none)"
 
 
 def state_dump(app: RunningAppliance, timeout: float = 10) -> str | None:
-    """SIGUSR1 to the daemon, and the dump it logs (appliance.state_dump), from its header to its end line;
+    """SIGUSR1 to the daemon, and the dump it logs (appliance.ops.state_dump), from its header to its end line;
     None when none comes within `timeout` (the daemon's event loop did not run the handler)."""
-    from appliance.state_dump import END, HEADER
+    from appliance.ops.state_dump import END, HEADER
 
     start = len(app.log_text())
     os.kill(app.proc.pid, signal.SIGUSR1)

@@ -17,7 +17,7 @@ from appliance.api.faults import FaultBarrier
 from appliance.api.gateway import Gateway
 from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
-from appliance.keys import KeyVerifier
+from appliance.store.keys import KeyVerifier
 from cascade.outbox import STATUSES
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from appliance.api.errors import ApiError
-from appliance.keys import KeyVerifier
-from appliance.net import is_loopback
+from appliance.boot.net import is_loopback
+from appliance.store.keys import KeyVerifier
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 ADMIN_PREFIXES = ("/v1/appliance/",)

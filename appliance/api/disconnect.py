@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from appliance.admission import AdmissionRejected
+from appliance.api.admission import AdmissionRejected
 from appliance.api.engine_stream import EngineLinkError, EngineStream
 
 

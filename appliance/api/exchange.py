@@ -25,11 +25,11 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from appliance.admission import AdmissionGate, Ticket
+from appliance.api.admission import AdmissionGate, Ticket
 from appliance.api.errors import ApiError
 from appliance.api.recording import completion_text, normalise_error, take_usage
-from appliance.metrics import Metrics
-from appliance.store import RequestLog, RequestRecord
+from appliance.ops.metrics import Metrics
+from appliance.store.requests import RequestLog, RequestRecord
 from cascade.policy import Decision
 from cascade.service import EscalationResult
 

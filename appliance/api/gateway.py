@@ -20,9 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from appliance.admission import AdmissionGate, AdmissionRejected, Ticket
-from appliance.admission import Request as AdmissionRequest
 from appliance.api import answers
+from appliance.api.admission import AdmissionGate, AdmissionRejected, Ticket
+from appliance.api.admission import Request as AdmissionRequest
 from appliance.api.disconnect import ClientGone, race_disconnect, read_or_leave
 from appliance.api.engine_stream import EngineLinkError, EngineStream
 from appliance.api.errors import ApiError, error_body, retry_later
@@ -35,8 +35,8 @@ from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
 from appliance.engine.supervisor import EngineState, EngineSupervisor
-from appliance.metrics import Metrics
-from appliance.store import RequestLog
+from appliance.ops.metrics import Metrics
+from appliance.store.requests import RequestLog
 from cascade.policy import PRIORITY_CLASSES
 from cascade.service import Cascade
 

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from appliance.api.errors import ApiError
-from appliance.store import RequestRecord
+from appliance.store.requests import RequestRecord
 
 
 def take_usage(rec: RequestRecord, usage: Any) -> None:

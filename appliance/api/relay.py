@@ -22,7 +22,7 @@ from appliance.api import answers
 from appliance.api.errors import error_body
 from appliance.api.exchange import Exchange
 from appliance.api.recording import completion_text, take_usage
-from appliance.store import RequestRecord
+from appliance.store.requests import RequestRecord
 from cascade import signals
 
 log = logging.getLogger(__name__)

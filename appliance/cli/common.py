@@ -7,7 +7,7 @@ from typing import Any, get_args
 
 import click
 
-from appliance import config as config_mod
+from appliance.boot import config as config_mod
 
 EXIT_FAILED = 1  # the command ran and found a problem (a check failed, a target missed, the engine gave up)
 EXIT_USAGE = 2  # bad usage, an invalid configuration, or a machine the appliance cannot start on

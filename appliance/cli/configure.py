@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from appliance import config as config_mod
+from appliance.boot import config as config_mod
+from appliance.boot.net import http_url
 from appliance.cli.common import EXIT_FAILED, CliError, choice, config_option, load_config
-from appliance.net import http_url
 from cascade.policy import Escalate
 
 
@@ -23,7 +23,7 @@ def config_group() -> None:
 @config_option
 def config_check(config_path: Path | None) -> None:
     """Validate a configuration file without starting anything."""
-    from appliance.startup import runtime_problems
+    from appliance.boot.startup import runtime_problems
 
     cfg = load_config(config_path)
     problems = runtime_problems(cfg)
@@ -37,13 +37,13 @@ def config_check(config_path: Path | None) -> None:
 @config_option
 def config_show(config_path: Path | None) -> None:
     """Print the effective configuration (defaults filled in, paths resolved) and the engine command."""
-    from appliance.engine.args import build_launch, describe
-    from appliance.planning import PlanningError, plan_for_config
+    from appliance.boot.planning import PlanningError, plan_for_config
+    from appliance.engine.args import build_launch, describe, engine_settings
 
     cfg = load_config(config_path)
     data = json.loads(cfg.model_dump_json())
     try:
-        args = plan_for_config(cfg).plan.vllm_args
+        args = engine_settings(cfg, plan_for_config(cfg).plan).args
         data["engine_command"] = describe(build_launch(cfg, args, internal_key="(at start)"))
     except PlanningError as e:
         data["engine_command"] = None
@@ -77,8 +77,8 @@ def init_cmd(site_name: str, model_path: Path, host: str, port: int, regional_ur
              state_dir: Path | None, kernel_lock: Path | None, output: Path, force: bool) -> None:
     """Write this site's configuration from a few answers (prompted for when not given), with secure
     permissions; then `systemctl enable --now appliance`."""
-    from appliance import site_init
-    from appliance.startup import runtime_problems
+    from appliance.boot import site_init
+    from appliance.boot.startup import runtime_problems
 
     if output.exists() and not force:
         raise CliError(f"{output} exists; pass --force to replace it")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from appliance.boot.net import local_url
 from appliance.cli.common import EXIT_FAILED, config_option, load_config
-from appliance.net import local_url
 
 
 @click.command("doctor")
@@ -24,8 +24,8 @@ def doctor_cmd(config_path: Path | None, as_json: bool, no_hash: bool, no_live: 
     daemon also its engine and the troubleshooting recipes on live metrics. Exit 1 on any failure."""
     import httpx
 
-    from appliance import doctor
-    from appliance.startup import StartupError, hash_model
+    from appliance.boot.startup import StartupError, hash_model
+    from appliance.ops import doctor
     from kvbudget.gpu import discover
 
     cfg = load_config(config_path)

@@ -25,7 +25,7 @@ def keys_group() -> None:
 @click.option("--admin", is_flag=True, help="Also allow /v1/appliance/* and the escalation routes.")
 def keys_create(config_path: Path | None, name: str, tenant: str, priority_class: str, admin: bool) -> None:
     """Create a key and print it once (only its hash is stored)."""
-    from appliance import keys
+    from appliance.store import keys
 
     cfg = load_config(config_path)
     try:
@@ -44,7 +44,7 @@ def keys_list(config_path: Path | None, as_json: bool) -> None:
     """Every key with its id, name, tenant, class, scope and state (never the secret)."""
     from dataclasses import asdict
 
-    from appliance import keys
+    from appliance.store import keys
 
     cfg = load_config(config_path)
     rows = keys.list_keys(cfg.database_path) if cfg.database_path.exists() else []
@@ -62,7 +62,7 @@ def keys_list(config_path: Path | None, as_json: bool) -> None:
 @click.argument("key_id")
 def keys_revoke(config_path: Path | None, key_id: str) -> None:
     """Revoke a key by its id; the daemon refuses it within 5 seconds."""
-    from appliance import keys
+    from appliance.store import keys
 
     cfg = load_config(config_path)
     try:

@@ -22,7 +22,7 @@ def model_group() -> None:
 @click.option("--force", is_flag=True, help="Convert again even if the folder exists.")
 def model_install_default(dest: Path | None, dtype: str, force: bool) -> None:
     """Convert the shipped SmolLM2-135M-Instruct GGUF to an HF folder once, and print its path."""
-    from appliance.default_model import DefaultModelError, default_model_dir, install_default, is_converted
+    from appliance.boot.default_model import DefaultModelError, default_model_dir, install_default, is_converted
 
     target = dest or default_model_dir()
     if is_converted(target) and not force:
@@ -53,7 +53,7 @@ def _model_folder(config_path: Path | None, model: Path | None) -> tuple[Path, s
               help="Model folder (default: model.path from the configuration).")
 def model_pin_cmd(config_path: Path | None, model: Path | None) -> None:
     """Write the folder's manifest (every file's size and sha256) into it and print its digest."""
-    from appliance import model_pin
+    from appliance.boot import model_pin
 
     folder, _ = _model_folder(config_path, model)
     with model_pin.progress_bar(folder, "hashing model") as bar:
@@ -69,7 +69,7 @@ def model_pin_cmd(config_path: Path | None, model: Path | None) -> None:
 @click.option("--digest", default=None, help="Expected digest (default: model.digest, else the folder's manifest).")
 def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str | None) -> None:
     """Check the model folder against its pin; exit 1 naming each changed, missing or unexpected file."""
-    from appliance import model_pin
+    from appliance.boot import model_pin
 
     folder, pinned = _model_folder(config_path, model)
     try:

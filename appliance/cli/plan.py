@@ -53,7 +53,7 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     target is missed or the model does not fit (the plan says by how much and what would help), 2 for
     bad input or a plan vLLM refuses.
     """
-    from appliance.planning import device_for, targets_from_config, with_draft, with_vllm_figures
+    from appliance.boot.planning import device_for, targets_from_config, with_draft, with_vllm_figures
     from kvbudget.model import ModelError
     from kvbudget.model_files import read_model
     from kvbudget.plan_types import PlanError, Targets

@@ -21,7 +21,7 @@ def escalations_group() -> None:
 
 
 def _outbox(config_path: Path | None):
-    from appliance.escalation import OUTBOX_FILE, open_outbox
+    from appliance.boot.escalation import OUTBOX_FILE, open_outbox
 
     cfg = load_config(config_path)
     if not (cfg.state.directory / OUTBOX_FILE).exists():
@@ -102,7 +102,7 @@ def _age(seconds: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def requests_cmd(config_path: Path | None, limit: int, as_json: bool) -> None:
     """Show the most recent requests from the request log."""
-    from appliance.store import recent_requests
+    from appliance.store.requests import recent_requests
 
     cfg = load_config(config_path)
     if not cfg.database_path.exists():

@@ -16,9 +16,9 @@ from appliance.cli.common import CliError, config_option, load_config
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def serve(config_path: Path | None, log_level: str) -> None:
     """Start the engine and serve the local API until stopped."""
-    from appliance import logs
-    from appliance.daemon import serve as run_daemon
-    from appliance.startup import StartupError, prepare, runtime_problems
+    from appliance.boot.startup import StartupError, prepare, runtime_problems
+    from appliance.runtime import logs
+    from appliance.runtime.daemon import serve as run_daemon
 
     cfg = load_config(config_path)
     problems = runtime_problems(cfg)  # before logging starts: plain lines on stderr for the operator

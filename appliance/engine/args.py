@@ -11,9 +11,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from appliance.admission import AdmissionConfig
-from appliance.config import Config
+from appliance.api.admission import AdmissionConfig
+from appliance.boot.config import Config
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 # What the engine's clients put in their URLs; they reach it over its Unix socket, whatever the host says.
@@ -36,10 +37,9 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
     """The exact child process the supervisor starts: the configuration plus the plan's engine settings.
 
     plan_args come from kvbudget (--kv-cache-memory-bytes, --max-model-len, --max-num-seqs and,
-    where they apply, --kv-cache-dtype, --speculative-config, parallelism): an explicit pool size,
-    so the engine never profiles and guesses differently from the plan.
+    where they apply, --kv-cache-dtype, --speculative-config, parallelism), through `engine_settings`: an
+    explicit pool size, so the engine never profiles and guesses differently from the plan.
     """
-    plan_args = with_admission(cfg, plan_args)
     e = cfg.engine
     python = e.python or sys.executable
     argv = [
@@ -91,24 +91,45 @@ def engine_env(base_env: Mapping[str, str], cache_root: Path, rpc_dir: Path) -> 
     return env
 
 
-def with_admission(cfg: Config, plan_args: Sequence[str]) -> list[str]:
-    """What admission needs of the engine: vLLM's priority scheduling, so the gateway's `priority` field (from
-    the request's class) orders the engine's queue and picks who is preempted, and room for the sequences
-    a class takes back over the capacity when it returns to its lent reserve (appliance.admission).
+class PlannedEngine(Protocol):
+    """What engine_settings reads of a plan (kvbudget.plan_types.Plan)."""
+
+    @property
+    def vllm_args(self) -> Sequence[str]: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What one plan gives the engine and the gateway, computed once (`engine_settings`): the engine's
+    command-line settings and the admission the gateway runs in front of it (None: admission off)."""
+
+    args: list[str]
+    admission: AdmissionConfig | None
+
+
+def engine_settings(cfg: Config, plan: PlannedEngine) -> EngineSettings:
+    """The plan's engine settings with what admission needs of the engine: vLLM's priority scheduling, so
+    the gateway's `priority` field (from the request's class) orders the engine's queue and picks who is
+    preempted, and room for the sequences a class takes back over the capacity when it returns to its lent
+    reserve (appliance.api.admission). The one place the engine's sequence count is decided: the gate is
+    built from the same AdmissionConfig.
 
     vLLM (0.32) never preempts to free a sequence slot, only KV blocks: without that room a returning gold
     request would wait in the engine for a whole lower-class answer.
     """
-    args = list(plan_args)
+    args = list(plan.vllm_args)
     if not cfg.admission.enabled:
-        return args
+        return EngineSettings(args, None)
+    admission = AdmissionConfig.from_section(cfg.admission, plan.max_num_seqs)
     if "--max-num-seqs" in args:
         i = args.index("--max-num-seqs") + 1
-        planned = int(args[i])
-        args[i] = str(max(planned, AdmissionConfig.from_section(cfg.admission, planned).engine_max_num_seqs))
+        args[i] = str(max(plan.max_num_seqs, admission.engine_max_num_seqs))
     # Whatever the sequence count: the gateway sets `priority` whenever admission is on, which vLLM
     # refuses under any other policy.
-    return [*args, "--scheduling-policy", "priority"]
+    return EngineSettings([*args, "--scheduling-policy", "priority"], admission)
 
 
 def describe(launch: EngineLaunch) -> str:

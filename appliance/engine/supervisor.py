@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from appliance.config import Config
+from appliance.boot.config import Config
 from appliance.engine.args import ENGINE_BASE_URL, EngineLaunch, build_launch, describe
 from appliance.engine.guard import EXIT_LINE_PREFIX
 from kernels.backend import BackendTracker

@@ -57,7 +57,7 @@ find "$ctx/venv" \( -name '__editable__*' -o -name 'edge_appliance*' -o -name '_
     -exec rm -rf {} +
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/wheel" "$repo"
 "$py" -m zipfile -e "$work/wheel"/edge_appliance-"$version"-py3-none-any.whl "$ctx/appliance"
-model="${MODEL:-$("$py" -c 'from appliance.default_model import default_model_dir; print(default_model_dir())')}"
+model="${MODEL:-$("$py" -c 'from appliance.boot.default_model import default_model_dir; print(default_model_dir())')}"
 cp -r "$model" "$ctx/model"
 rm -f "$ctx/model/appliance-manifest.json"
 # root owns the files in the image and the service runs as `appliance`: everything it loads is world-readable

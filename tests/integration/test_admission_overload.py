@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import keys
+from appliance.store import keys
 from tests import loopback
 from tests.support import RunningAppliance, send_raw, snapshot, start_appliance, wait_for
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import keys
+from appliance.store import keys
 from tests import loopback
 from tests.pd_cluster import PDCluster
 from tests.regional import FaultInjector, RegionalRecorder, marker

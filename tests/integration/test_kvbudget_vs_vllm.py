@@ -249,7 +249,7 @@ def test_host_reading_agrees_with_torch():
 
 def test_vllm_refusal_becomes_the_plans(tmp_path):
     """A context beyond max_position_embeddings: vLLM refuses, and the plan refuses with vLLM's words."""
-    from appliance.planning import with_vllm_figures
+    from appliance.boot.planning import with_vllm_figures
 
     model = read_model(FIX / "gemma-2b.json")  # max_position_embeddings 8192
     plan = make_plan(model, find_profile("L40S"), Targets(context=16_384), Platform("gpu"))
@@ -292,7 +292,7 @@ def _eagle3_draft(folder: Path) -> Path:
 
 def test_eagle3_draft_tensor_and_decode_context_parallel_agree_with_vllm(tmp_path):
     """The draft's own folder in --speculative-config, its layers in the pool; TP and DCP as vLLM checks them."""
-    from appliance.planning import with_draft
+    from appliance.boot.planning import with_draft
 
     h100 = find_profile("H100 80GB")
     draft = with_draft(Targets(context=32_768), _eagle3_draft(tmp_path / "eagle3"))
@@ -323,7 +323,7 @@ def test_unmodelled_configs_follow_vllm_with_every_disagreement_named():
     """Configs whose cache-holding layers the kvbudget model does not read (refused model-only, see
     tests/unit/kvbudget/test_unmodelled.py): asked, vLLM answers, the plan takes vLLM's figures and lists what
     the model did not read first, then each difference. The model alone would have been several times off."""
-    from appliance.planning import with_vllm_figures
+    from appliance.boot.planning import with_vllm_figures
 
     unmodelled = FIX.parent / "unmodelled"
     for name, off_by in (("jamba-tiny", 5.0), ("gemma3n-tiny", 2.0)):

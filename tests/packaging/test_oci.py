@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import keys
+from appliance.store import keys
 from tests import loopback
 from tests.support import REPO, free_port, needs_tools, wait_for
 

@@ -37,7 +37,7 @@ def test_files_config_and_requirements(rpm_file: Path):
               "/usr/lib/tmpfiles.d/appliance.conf", "/usr/lib/systemd/system-preset/90-appliance.preset",
               "/etc/appliance/appliance.toml", f"/{SITELIB}/appliance/cli/__init__.py", f"/{SITELIB}/appliance/api/gateway.py", f"/{SITELIB}/cascade/outbox.py",
               f"/{SITELIB}/kernels/lock.py", f"/{SITELIB}/kvbudget/planner.py",
-              # what `appliance doctor` names when the box has outgrown itself (appliance.doctor.REGIONAL_ARTIFACTS)
+              # what `appliance doctor` names when the box has outgrown itself (appliance.ops.doctor.REGIONAL_ARTIFACTS)
               "/usr/share/doc/edge-appliance/regional/README.md",
               "/usr/share/doc/edge-appliance/regional/appliance-regional.toml",
               "/usr/share/doc/edge-appliance/regional/objectives.yaml"]:
@@ -52,8 +52,8 @@ def test_files_config_and_requirements(rpm_file: Path):
         assert dep in requires, dep
     assert "vllm" not in requires  # the engine comes from the fleet's own repository (see the spec)
     # The libraries the gateway reaches into arrive from the distribution inside the tested range only
-    # (appliance.library_pins): rpm's generator makes the pins rich dependencies with both bounds.
-    from appliance.library_pins import pinned_ranges
+    # (appliance.boot.library_pins): rpm's generator makes the pins rich dependencies with both bounds.
+    from appliance.boot.library_pins import pinned_ranges
 
     for name, spec in pinned_ranges().items():
         upper = next(s for s in spec if s.operator == "<")

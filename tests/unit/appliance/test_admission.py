@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from appliance.admission import (
+from appliance.api.admission import (
     AdmissionConfig,
     AdmissionGate,
     AdmissionRejected,

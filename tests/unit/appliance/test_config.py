@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config
-from appliance.startup import runtime_problems
+from appliance.boot import config
+from appliance.boot.startup import runtime_problems
 from tests.support import REPO
 
 MINIMAL = '[model]\npath = "models/m"\n'

@@ -12,9 +12,9 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from appliance import config
-from appliance.assembly import build
-from appliance.planning import plan_for_config
+from appliance.boot import config
+from appliance.boot.assembly import build
+from appliance.boot.planning import plan_for_config
 from tests.support import REPO, NotifyListener, free_port, wait_for
 
 WATCHDOG_USEC = 400_000  # pings every 0.2 s

@@ -15,15 +15,17 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from appliance import config, doctor, keys
 from appliance.api.app import create_app
 from appliance.api.gateway import Gateway, GatewaySettings
+from appliance.boot import config
+from appliance.boot.config import parse
 from appliance.cli import main
-from appliance.config import parse
 from appliance.engine.supervisor import EngineSupervisor
-from appliance.engine_watch import EngineSample, EngineWatch, parse_sample
-from appliance.metrics import Metrics
-from appliance.store import RequestLog
+from appliance.engine.watch import EngineSample, EngineWatch, parse_sample
+from appliance.ops import doctor
+from appliance.ops.metrics import Metrics
+from appliance.store import keys
+from appliance.store.requests import RequestLog
 from kvbudget.gpu import Discovery
 from tests.support import free_port, model_folder, serve_in_thread
 

@@ -11,13 +11,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from appliance.assembly import build
-from appliance.config import load
-from appliance.daemon import Daemon
+from appliance.boot.assembly import build
+from appliance.boot.config import load
+from appliance.boot.planning import plan_for_config
 from appliance.engine.supervisor import EngineState, EngineSupervisor
-from appliance.engine_watch import EngineSample
-from appliance.planning import plan_for_config
-from appliance.status_view import doctor_report, status
+from appliance.engine.watch import EngineSample
+from appliance.ops.status import doctor_report, status
+from appliance.runtime.daemon import Daemon
 from kvbudget import probe
 from kvbudget.gpu import Discovery
 from kvbudget.plan_types import PlanError
@@ -171,10 +171,10 @@ def test_one_probe_run_answers_for_both_plans(tmp_path: Path, monkeypatch):
 
 def test_the_grow_advisor_reads_the_traffic_the_daemon_sampled_beside_the_engine(tmp_path: Path):
     """Wiring: each engine sample the watch takes also samples the gateway's counts, and the doctor route
-    judges them (appliance.doctor.grow)."""
+    judges them (appliance.ops.doctor.grow)."""
     import httpx
 
-    from appliance.store import RequestRecord
+    from appliance.store.requests import RequestRecord
 
     daemon, _ = _daemon(tmp_path, act=False)
     now = time.time()

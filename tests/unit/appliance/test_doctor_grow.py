@@ -3,10 +3,10 @@ and where to go next (the regional tier in packaging/regional/)."""
 
 from __future__ import annotations
 
-from appliance import doctor
-from appliance.metrics import Metrics
-from appliance.store import RequestRecord
-from appliance.traffic import TrafficSample
+from appliance.ops import doctor
+from appliance.ops.metrics import Metrics
+from appliance.ops.traffic import TrafficSample
+from appliance.store.requests import RequestRecord
 from tests.unit.appliance.test_doctor import samples
 
 

@@ -1,5 +1,5 @@
 """uvicorn and httptools, whose internals the gateway reaches into, are pinned with an upper bound, and the
-daemon refuses to start on a version outside the pins (appliance/library_pins.py)."""
+daemon refuses to start on a version outside the pins (appliance/boot/library_pins.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from appliance import config, library_pins
-from appliance.startup import runtime_problems
+from appliance.boot import config, library_pins
+from appliance.boot.startup import runtime_problems
 from tests.support import REPO
 
 

@@ -16,7 +16,7 @@ from tests.support import REPO, require_tool
 CHILD = """
 import logging, sys
 from pathlib import Path
-from appliance import logs
+from appliance.runtime import logs
 logs.setup("INFO")
 log = logging.getLogger("t")
 for i in range({n}):
@@ -50,7 +50,7 @@ sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 sock.bind("/run/systemd/journal/socket")  # journald's socket, in this process's own mount namespace
 sock.settimeout(5)
 os.environ["JOURNAL_STREAM"] = "8:12345"  # as systemd sets it for a service: logs go to the journal
-from appliance import logs
+from appliance.runtime import logs
 logs.setup("INFO")
 logging.getLogger("appliance.api.relay").warning("stream %s broke off: %s", "req-42", "ReadError",
                                                  extra={"REQUEST_ID": "req-42"})

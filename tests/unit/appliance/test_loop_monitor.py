@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from appliance.loop_monitor import LoopMonitor, explain
+from appliance.runtime.loop_monitor import LoopMonitor, explain
 
 
 def _stuck_in_a_synchronous_call(seconds: float) -> None:
@@ -29,7 +29,7 @@ async def _scenario(block_s: float, turn_s: float, threshold_s: float = 0.5) -> 
 
 
 def test_a_blocked_loop_is_reported_with_its_stack_and_counted(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.WARNING, logger="appliance.loop_monitor"):
+    with caplog.at_level(logging.WARNING, logger="appliance.runtime.loop_monitor"):
         stalls = asyncio.run(_scenario(block_s=1.5, turn_s=0.5))
     assert len(stalls) == 1 and 1.0 <= stalls[0] <= 10.0, stalls  # no upper bound a busy CI box would break
     blocked = [r.getMessage() for r in caplog.records if "blocked" in r.getMessage()]
@@ -40,7 +40,7 @@ def test_a_blocked_loop_is_reported_with_its_stack_and_counted(caplog: pytest.Lo
 
 
 def test_a_turning_loop_is_not_reported(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.WARNING, logger="appliance.loop_monitor"):
+    with caplog.at_level(logging.WARNING, logger="appliance.runtime.loop_monitor"):
         stalls = asyncio.run(_scenario(block_s=0, turn_s=1.0, threshold_s=1.0))  # the daemon's threshold
     assert stalls == [] and not caplog.records
 

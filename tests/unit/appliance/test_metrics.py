@@ -6,11 +6,11 @@ import asyncio
 
 import httpx
 
-from appliance import keys
 from appliance.engine.supervisor import EngineState, EngineStatus
-from appliance.engine_watch import EngineWatch
-from appliance.metrics import Metrics
-from appliance.store import RequestRecord
+from appliance.engine.watch import EngineWatch
+from appliance.ops.metrics import Metrics
+from appliance.store import keys
+from appliance.store.requests import RequestRecord
 from tests.unit.appliance.api.inprocess import app, call, serving
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from appliance.store import RequestLog, RequestRecord, recent_requests
+from appliance.store.requests import RequestLog, RequestRecord, recent_requests
 
 
 def _rec(i: int, model: str = "m", prompt_tokens: int | None = 3) -> RequestRecord:
@@ -43,7 +43,7 @@ def test_the_state_database_is_private_to_the_service(tmp_path):
     import os
     import stat
 
-    from appliance.store import open_db
+    from appliance.store.requests import open_db
 
     path = tmp_path / "new-state" / "appliance.db"
     umask = os.umask(0o022)  # a usual default: what the daemon must not rely on

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from appliance import state_dump
+from appliance.ops import state_dump
 
 
 async def _parked_in_a_named_coroutine(gate: asyncio.Event) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.systemd import Notifier, under_systemd
+from appliance.runtime.systemd import Notifier, under_systemd
 from tests.support import REPO, needs_tools
 
 UNITS = REPO / "systemd"

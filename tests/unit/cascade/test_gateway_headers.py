@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import config
-from appliance.escalation import regional_settings
+from appliance.boot import config
+from appliance.boot.escalation import regional_settings
 from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders, check_fairness_template, retry_after_s

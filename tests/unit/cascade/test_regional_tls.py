@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from appliance.config import load
-from appliance.startup import runtime_problems
+from appliance.boot.config import load
+from appliance.boot.startup import runtime_problems
 from cascade.regional import LinkDown, RegionalClient, RegionalSettings, TLSFileError, tls_verify
 from tests.support import serve_in_thread
 

@@ -92,8 +92,8 @@ def test_weights_without_a_cpu_kernel_are_refused_by_name():
 def test_the_daemon_plans_for_the_host_s_level_and_a_bad_forced_one_is_a_planning_error(tmp_path, monkeypatch):
     """plan_for_config on a CPU host (no GPU found) reads the host's level; a KVBUDGET_HOST_CPU_ISA that
     names no level is a PlanningError naming the variable (start-up prints it in one line), not a crash."""
-    from appliance import config
-    from appliance.planning import PlanningError, plan_for_config
+    from appliance.boot import config
+    from appliance.boot.planning import PlanningError, plan_for_config
     from kvbudget.gpu import Discovery
 
     cfg = config.parse(f'[model]\npath = "{FIX / "deepseek-v2-lite-chat.json"}"\n[state]\ndirectory = "{tmp_path}"\n'

@@ -71,7 +71,7 @@ def test_cli_model_only_refuses_and_names_the_settings():
 def test_without_an_engine_environment_the_plan_is_refused_not_guessed(tmp_path):
     """No vLLM to ask (engine.python names nothing runnable): a modelled config plans on the model's figures
     and says so; an unmodelled one is refused with the reason the probe could not be asked."""
-    from appliance.planning import with_vllm_figures
+    from appliance.boot.planning import with_vllm_figures
     from kvbudget import probe
 
     l40s = find_profile("L40S")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from appliance import reference
+from appliance.ops import reference
 
 
 def test_the_committed_references_are_what_the_code_generates():
-    assert reference.stale() == [], "run `python -m appliance.reference` and commit docs/"
+    assert reference.stale() == [], "run `python -m appliance.ops.reference` and commit docs/"
 
 
 def test_the_references_carry_the_code_s_own_words():
-    from appliance.config import EngineSection
+    from appliance.boot.config import EngineSection
 
     config_md, cli_md = reference.configuration_md(), reference.cli_md()
     assert EngineSection.model_fields["kv_cache_memory_bytes"].description in config_md

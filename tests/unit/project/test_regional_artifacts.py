@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from appliance.config import RegionalSection, default_objectives
+from appliance.boot.config import RegionalSection, default_objectives
 
 HERE = Path(__file__).resolve().parents[3] / "packaging" / "regional"
 

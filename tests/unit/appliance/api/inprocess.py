@@ -12,13 +12,14 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from appliance import config, keys
-from appliance.admission import AdmissionGate
+from appliance.api.admission import AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.gateway import Gateway, GatewaySettings
+from appliance.boot import config
 from appliance.engine.supervisor import EngineSupervisor
-from appliance.metrics import Metrics
-from appliance.store import RequestLog
+from appliance.ops.metrics import Metrics
+from appliance.store import keys
+from appliance.store.requests import RequestLog
 from cascade.service import Cascade
 from tests.unit.appliance.api.scripted_engine import ScriptedEngine
 

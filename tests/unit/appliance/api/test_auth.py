@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from appliance import config, keys
 from appliance.api.auth import is_loopback, keys_required
+from appliance.boot import config
+from appliance.store import keys
 from tests.unit.appliance.api.inprocess import app as _app
 from tests.unit.appliance.api.inprocess import call as _call
 

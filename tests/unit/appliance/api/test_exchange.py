@@ -12,8 +12,8 @@ from unittest import mock
 import httpx
 import pytest
 
-from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
 from appliance.api import exchange
+from appliance.api.admission import AdmissionConfig, AdmissionGate, ClassPolicy
 from tests.unit.appliance.api.inprocess import serving
 
 

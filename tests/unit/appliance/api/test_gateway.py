@@ -85,8 +85,8 @@ def test_requests_in_flight_show_their_phase_and_how_far_a_stream_got(tmp_path):
 def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
     """vLLM's priority scheduling orders its queue and picks whom to preempt by the request's `priority`
     (lower first): the gateway sets it from the key's class, and a client cannot raise its own."""
-    from appliance import keys
-    from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.api.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.store import keys
 
     seen: list[object] = []
 
@@ -112,8 +112,8 @@ def test_the_class_sets_the_engines_priority_whatever_the_client_sent(tmp_path):
 def test_the_class_token_limit_applies_when_max_tokens_is_left_out_or_null(tmp_path):
     """Issue 15: bronze with a 16-token limit generated 2,012 tokens by not naming max_tokens. The engine
     is told the class limit; an explicit value over it is refused, one under it is kept."""
-    from appliance import keys
-    from appliance.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.api.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+    from appliance.store import keys
 
     seen: list[object] = []
 

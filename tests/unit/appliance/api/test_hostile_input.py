@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from appliance.store import recent_requests
+from appliance.store.requests import recent_requests
 from tests.unit.appliance.api.inprocess import serving
 
 BAD = "\ud800"  # json.dumps writes it as the escape \ud800: valid JSON, not Unicode text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from appliance import keys
+from appliance.store import keys
 from tests.unit.appliance.api.inprocess import call, serving
 
 LISTED = {"object": "list", "data": [

@@ -18,15 +18,16 @@ from unittest import mock
 
 import pytest
 
-from appliance import config, keys
 from appliance.api import splice
 from appliance.api.app import create_app
 from appliance.api.gateway import Gateway, GatewaySettings
 from appliance.api.http_protocol import GuardedHttpProtocol
+from appliance.boot import config
 from appliance.engine.args import build_launch
 from appliance.engine.supervisor import EngineState, EngineSupervisor
-from appliance.metrics import Metrics
-from appliance.store import RequestLog
+from appliance.ops.metrics import Metrics
+from appliance.store import keys
+from appliance.store.requests import RequestLog
 from cascade.service import Cascade
 from tests import loopback
 from tests.support import serve_in_thread, short_private_dir

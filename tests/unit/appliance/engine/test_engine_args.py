@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
-from appliance import config
-from appliance.engine.args import build_launch, describe
+from appliance.boot import config
+from appliance.engine.args import build_launch, describe, engine_settings
 
-PLAN_ARGS = ["--kv-cache-memory-bytes", str(3 * 1024**3), "--max-model-len", "4096", "--max-num-seqs", "8"]
+PLAN = SimpleNamespace(vllm_args=("--kv-cache-memory-bytes", str(3 * 1024**3), "--max-model-len", "4096",
+                                  "--max-num-seqs", "8"), max_num_seqs=8)
 
 
 def _cfg(extra: str = "") -> config.Config:
@@ -20,7 +22,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
-    launch = build_launch(_cfg(), PLAN_ARGS, internal_key="k", base_env={})
+    launch = build_launch(_cfg(), engine_settings(_cfg(), PLAN).args, internal_key="k", base_env={})
     argv = launch.argv
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--kv-cache-memory-bytes") == str(3 * 1024**3)
@@ -33,7 +35,7 @@ def test_command_line_carries_the_plans_explicit_kv_size_and_limits():
 
 def test_engine_has_no_tcp_port_even_when_the_api_listens_everywhere():
     cfg = config.parse('[model]\npath = "/m"\n[server]\nhost = "0.0.0.0"\n')
-    launch = build_launch(cfg, PLAN_ARGS, internal_key="k", base_env={})
+    launch = build_launch(cfg, engine_settings(cfg, PLAN).args, internal_key="k", base_env={})
     assert "--host" not in launch.argv and "--port" not in launch.argv
     assert _flag(launch.argv, "--uds") == "/var/lib/appliance/engine/api.sock" == str(launch.socket)
     # vLLM's own ZeroMQ sockets go in the same private directory, not /tmp
@@ -47,7 +49,7 @@ def test_an_older_configuration_naming_engine_port_still_loads(caplog):
 
 
 def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
-    launch = build_launch(_cfg(), PLAN_ARGS, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
+    launch = build_launch(_cfg(), engine_settings(_cfg(), PLAN).args, internal_key="sekrit", base_env={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
     env = launch.env
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_API_KEY"] == "sekrit"
@@ -59,17 +61,25 @@ def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
 
 
 def test_extra_args_and_eager_are_appended():
-    launch = build_launch(_cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n'), PLAN_ARGS, internal_key="k",
-                          base_env={})
+    cfg = _cfg('enforce_eager = true\nextra_args = ["--seed", "7"]\n')
+    launch = build_launch(cfg, engine_settings(cfg, PLAN).args, internal_key="k", base_env={})
     assert launch.argv[-3:] == ["--enforce-eager", "--seed", "7"]
 
 
 def test_admission_turns_on_priority_scheduling_with_room_for_the_reserve_taken_back():
     # The default classes: gold reserves a quarter of 8 slots, 2, which the engine must be able to run
     # beyond the 8 the others may fill.
-    argv = build_launch(_cfg(), PLAN_ARGS, internal_key="k", base_env={}).argv
+    argv = build_launch(_cfg(), engine_settings(_cfg(), PLAN).args, internal_key="k", base_env={}).argv
     assert _flag(argv, "--scheduling-policy") == "priority"
     assert _flag(argv, "--max-num-seqs") == "10"
     cfg = config.parse('[model]\npath = "/m"\n[admission]\nenabled = false\n')
-    argv = build_launch(cfg, PLAN_ARGS, internal_key="k", base_env={}).argv
-    assert "--scheduling-policy" not in argv and _flag(argv, "--max-num-seqs") == "8"
+    settings = engine_settings(cfg, PLAN)
+    argv = build_launch(cfg, settings.args, internal_key="k", base_env={}).argv
+    assert "--scheduling-policy" not in argv and _flag(argv, "--max-num-seqs") == "8" and settings.admission is None
+
+
+def test_the_gate_and_the_engine_get_their_sequences_from_one_computation():
+    """The admission the gateway runs and the engine's --max-num-seqs come from one AdmissionConfig."""
+    settings = engine_settings(_cfg(), PLAN)
+    assert settings.admission is not None and settings.admission.capacity == 8
+    assert _flag(settings.args, "--max-num-seqs") == str(settings.admission.engine_max_num_seqs) == "10"

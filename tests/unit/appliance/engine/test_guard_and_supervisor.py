@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from appliance import config
+from appliance.boot import config
 from appliance.engine.guard import EXIT_LINE_PREFIX
 from appliance.engine.supervisor import EXIT_CONTEXT_S, EngineState, EngineSupervisor, LogTail, explain_exit
 from tests.support import REPO, short_private_dir, wait_for

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from appliance.config import Config
-from appliance.model_pin import ModelCheck
-from appliance.planning import SitePlan
+from appliance.boot.config import Config
+from appliance.boot.model_pin import ModelCheck
+from appliance.boot.planning import SitePlan
 from kernels.lock import KernelCheck
 
 

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.net import is_loopback
+from appliance.boot.net import is_loopback
 from cascade.gateway_headers import check_fairness_template
 from cascade.policy import Escalate, Mode, PriorityClass
 from kvbudget.accounting import KvDtype

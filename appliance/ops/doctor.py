@@ -20,11 +20,11 @@ from typing import Literal
 
 import httpx
 
-from appliance.config import Config
-from appliance.engine_watch import EngineSample, Window
-from appliance.model_pin import ModelCheck
-from appliance.startup import model_problems, state_problems
-from appliance.traffic import TrafficSample, TrafficWindow
+from appliance.boot.config import Config
+from appliance.boot.model_pin import ModelCheck
+from appliance.boot.startup import model_problems, state_problems
+from appliance.engine.watch import EngineSample, Window
+from appliance.ops.traffic import TrafficSample, TrafficWindow
 from kernels import lock as kernel_lock
 from kernels.lock import KernelCheck
 from kvbudget.gpu import Discovery
@@ -196,7 +196,7 @@ def check_regional(cfg: Config, probe_timeout_s: float = 3.0) -> list[Finding]:
     r = cfg.regional
     if not r.enabled:
         return [Finding("regional", "skip", "regional escalation is not enabled")]
-    from appliance.escalation import regional_settings
+    from appliance.boot.escalation import regional_settings
     from cascade.regional import RegionalClient, TLSFileError, TokenFileError
 
     try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from appliance import __version__, doctor
+from appliance import __version__
+from appliance.boot.site_state import SiteState
 from appliance.engine.supervisor import EngineSupervisor
-from appliance.engine_watch import EngineWatch
-from appliance.site_state import SiteState
-from appliance.traffic import TrafficWatch
+from appliance.engine.watch import EngineWatch
+from appliance.ops import doctor
+from appliance.ops.traffic import TrafficWatch
 from cascade.service import Cascade
 
 

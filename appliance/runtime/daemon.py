@@ -3,7 +3,7 @@
     config -> plan -> engine supervisor -> API (uvicorn) -> serve until a signal
                                                         or until the supervisor gives up
 
-Its parts are built by appliance.assembly and handed over finished. Start: the API listens first, so
+Its parts are built by appliance.boot.assembly and handed over finished. Start: the API listens first, so
 /healthz and /readyz (503 "loading") answer while the engine loads. Stop (SIGTERM/SIGINT): the API
 stops accepting, the engine is stopped (SIGTERM, then SIGKILL after the grace period), the request
 log is flushed. Exit status: 0 after a clean stop, 1 when the engine failed too often (so systemd's
@@ -23,22 +23,22 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from appliance import state_dump
-from appliance.admission import AdmissionGate
+from appliance.api.admission import AdmissionGate
 from appliance.api.gateway import Gateway
 from appliance.api.http_protocol import GuardedHttpProtocol
-from appliance.config import Config, ConfigError, ServerSection
-from appliance.config import load as load_config
+from appliance.boot.config import Config, ConfigError, ServerSection
+from appliance.boot.config import load as load_config
+from appliance.boot.net import http_url
+from appliance.boot.site_state import SiteState
 from appliance.engine.supervisor import EngineState, EngineStatus, EngineSupervisor
-from appliance.engine_watch import EngineWatch
-from appliance.keys import KeyVerifier
-from appliance.loop_monitor import LoopMonitor
-from appliance.metrics import Metrics
-from appliance.net import http_url
-from appliance.remedies import Remedies
-from appliance.site_state import SiteState
-from appliance.store import RequestLog
-from appliance.systemd import Notifier
+from appliance.engine.watch import EngineWatch
+from appliance.ops import state_dump
+from appliance.ops.metrics import Metrics
+from appliance.ops.remedies import Remedies
+from appliance.runtime.loop_monitor import LoopMonitor
+from appliance.runtime.systemd import Notifier
+from appliance.store.keys import KeyVerifier
+from appliance.store.requests import RequestLog
 from cascade.service import Cascade
 
 log = logging.getLogger("appliance")
@@ -63,7 +63,7 @@ class _ApiServer(uvicorn.Server):
 
 @dataclass
 class Daemon:
-    """Every part, finished (see appliance.assembly.build); run() serves until stopped."""
+    """Every part, finished (see appliance.boot.assembly.build); run() serves until stopped."""
 
     state: SiteState
     request_log: RequestLog
@@ -207,7 +207,7 @@ class Daemon:
             await asyncio.sleep(interval)
 
     def _dump_state(self) -> None:
-        """SIGUSR1: what the daemon is doing now, to the log (appliance.state_dump)."""
+        """SIGUSR1: what the daemon is doing now, to the log (appliance.ops.state_dump)."""
         log.warning("%s", state_dump.render(self.gateway.exchanges.snapshot()))
 
     def _reload(self) -> None:
@@ -236,8 +236,8 @@ class Daemon:
 
 
 def serve(ready) -> int:
-    """Build the daemon from checked start-up results (appliance.startup.prepare) and run it."""
-    from appliance.assembly import build
+    """Build the daemon from checked start-up results (appliance.boot.startup.prepare) and run it."""
+    from appliance.boot.assembly import build
 
     daemon = build(ready.cfg, ready.site_plan, ready.model_check, ready.kernel_check)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from appliance.config import Config
+from appliance.boot.config import Config
 from kvbudget import probe
 from kvbudget.cpu import FORCE_ENV, CpuIsa, CpuIsaError, host_isa
 from kvbudget.gpu import Discovery, discover

@@ -23,7 +23,7 @@ def setup(level: str = "INFO") -> None:
     if getattr(setup, "_done", False):
         root.setLevel(level)
         return
-    from appliance.systemd import journal_handler, under_systemd
+    from appliance.runtime.systemd import journal_handler, under_systemd
 
     handler = journal_handler() if under_systemd() else None
     if handler is None:

@@ -11,9 +11,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from appliance.config import Config
-from appliance.model_pin import ModelCheck
-from appliance.planning import PlanningError, SitePlan, plan_for_config
+from appliance.boot.config import Config
+from appliance.boot.model_pin import ModelCheck
+from appliance.boot.planning import PlanningError, SitePlan, plan_for_config
 from kernels.lock import KernelCheck
 
 log = logging.getLogger("appliance")
@@ -28,7 +28,7 @@ def runtime_problems(cfg: Config) -> list[str]:
 
     Each names the setting it concerns; the doctor asks the area it reports on (model_problems, ...).
     """
-    from appliance.library_pins import library_problems
+    from appliance.boot.library_pins import library_problems
 
     return [*library_problems(), *model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg),
             *state_problems(cfg)]
@@ -56,7 +56,7 @@ def _engine_problems(cfg: Config) -> list[str]:
 def _regional_problems(cfg: Config) -> list[str]:
     if not cfg.regional.enabled:
         return []
-    from appliance.escalation import regional_settings
+    from appliance.boot.escalation import regional_settings
     from cascade.regional import TLSFileError, TokenFileError, read_token, tls_verify
 
     out = []
@@ -80,7 +80,7 @@ def state_problems(cfg: Config) -> list[str]:
 
 def hash_model(cfg: Config, what: str) -> ModelCheck:
     """The model folder hashed against its pin, with a progress bar; StartupError when a file is unreadable."""
-    from appliance import model_pin
+    from appliance.boot import model_pin
 
     try:
         with model_pin.progress_bar(cfg.model.path, what) as bar:

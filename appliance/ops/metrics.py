@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.admission import Load
+from appliance.api.admission import Load
 from appliance.engine.supervisor import EngineState, EngineStatus
-from appliance.engine_watch import lines_for
-from appliance.store import RequestRecord
-from appliance.traffic import ESCALATION_OUTCOMES, TrafficSample
+from appliance.engine.watch import lines_for
+from appliance.ops.traffic import ESCALATION_OUTCOMES, TrafficSample
+from appliance.store.requests import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Metrics:
             self.totals["gold_refused"] += 1
 
     def traffic(self, ts: float, cascade_counts: Mapping[str, int]) -> TrafficSample:
-        """The totals the doctor's grow advisor windows (appliance.traffic), with the cascade's counts."""
+        """The totals the doctor's grow advisor windows (appliance.ops.traffic), with the cascade's counts."""
         t = self.totals
         return TrafficSample(ts, answered=t["answered"], gold_requests=t["gold_requests"],
                              gold_refused=t["gold_refused"],

@@ -12,13 +12,14 @@ import asyncio
 import logging
 from dataclasses import dataclass, replace
 
-from appliance import doctor
-from appliance.admission import AdmissionConfig, AdmissionGate
+from appliance.api.admission import AdmissionGate
 from appliance.api.gateway import Gateway
+from appliance.boot.site_state import SiteState
+from appliance.engine.args import engine_settings
 from appliance.engine.supervisor import EngineSupervisor
-from appliance.engine_watch import EngineWatch
-from appliance.metrics import Metrics
-from appliance.site_state import SiteState
+from appliance.engine.watch import EngineWatch
+from appliance.ops import doctor
+from appliance.ops.metrics import Metrics
 from kvbudget.plan_types import Plan
 
 log = logging.getLogger("appliance")
@@ -64,14 +65,16 @@ class Remedies:
         log.warning("doctor: %s; relaunching the engine without it. Until the service restarts: set "
                     "targets.speculative = \"off\" to keep it off", action)
         state.site_plan = replace(state.site_plan, plan=off, without_speculation=None)
-        if self.admission is not None:  # the plan without drafts may hold a different number of sequences
-            self.admission.reconfigure(AdmissionConfig.from_section(state.cfg.admission, off.max_num_seqs))
+        settings = engine_settings(state.cfg, off)
+        if self.admission is not None and settings.admission is not None:
+            # the plan without drafts may hold a different number of sequences
+            self.admission.reconfigure(settings.admission)
         state.speculation_off = action
         self.metrics.doctor_actions.labels("speculative_off").inc()
         # The old engine's samples say nothing about the new one; poll_once would only notice the reset at
         # the new engine's first sample, and until then the doctor would judge a dead engine's numbers.
         self.watch.clear()
-        await self.supervisor.relaunch(off.vllm_args, action, drain=self._drain_local_requests)
+        await self.supervisor.relaunch(settings.args, action, drain=self._drain_local_requests)
         return action
 
     async def _drain_local_requests(self) -> None:

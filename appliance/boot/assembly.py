@@ -9,26 +9,27 @@ so every part that holds one holds the same one.
 
 from __future__ import annotations
 
-from appliance.admission import AdmissionConfig, AdmissionGate
+from appliance.api.admission import AdmissionGate
 from appliance.api.app import create_app
 from appliance.api.auth import keys_required
 from appliance.api.gateway import Gateway, GatewaySettings
-from appliance.config import Config
-from appliance.daemon import Daemon
+from appliance.boot.config import Config
+from appliance.boot.escalation import build_cascade
+from appliance.boot.model_pin import ModelCheck
+from appliance.boot.planning import SitePlan
+from appliance.boot.site_state import SiteState
+from appliance.engine.args import engine_settings
 from appliance.engine.supervisor import EngineSupervisor
-from appliance.engine_watch import EngineWatch
-from appliance.escalation import build_cascade
-from appliance.keys import KeyVerifier
-from appliance.loop_monitor import LoopMonitor
-from appliance.metrics import Metrics
-from appliance.model_pin import ModelCheck
-from appliance.planning import SitePlan
-from appliance.remedies import Remedies
-from appliance.site_state import SiteState
-from appliance.status_view import doctor_report, status
-from appliance.store import RequestLog
-from appliance.systemd import Notifier
-from appliance.traffic import TrafficWatch
+from appliance.engine.watch import EngineWatch
+from appliance.ops.metrics import Metrics
+from appliance.ops.remedies import Remedies
+from appliance.ops.status import doctor_report, status
+from appliance.ops.traffic import TrafficWatch
+from appliance.runtime.daemon import Daemon
+from appliance.runtime.loop_monitor import LoopMonitor
+from appliance.runtime.systemd import Notifier
+from appliance.store.keys import KeyVerifier
+from appliance.store.requests import RequestLog
 from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
 
@@ -42,10 +43,11 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
     if kernel_check is not None:
         metrics.kernels_info.labels(kernel_check.digest or "", str(kernel_check.ok).lower()).set(1)
     request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
-    supervisor = supervisor or EngineSupervisor(cfg, site_plan.plan.vllm_args)
+    settings = engine_settings(cfg, site_plan.plan)
+    supervisor = supervisor or EngineSupervisor(cfg, settings.args)
     admission = None
-    if cfg.admission.enabled:
-        admission = AdmissionGate(AdmissionConfig.from_section(cfg.admission, site_plan.plan.max_num_seqs))
+    if settings.admission is not None:
+        admission = AdmissionGate(settings.admission)
         admission.on_decision = metrics.observe_decision
     cascade = build_cascade(cfg, site_plan.plan.engine.max_model_len, metrics)
     gateway = Gateway(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from appliance.config import Config
-from appliance.metrics import Metrics
+from appliance.boot.config import Config
+from appliance.ops.metrics import Metrics
 from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders

@@ -19,9 +19,9 @@ from typing import Any
 
 import tomli_w
 
-from appliance.config import ConfigError, parse
+from appliance.boot.config import ConfigError, parse
 
-TEMPLATE = Path(__file__).resolve().parent / "packaged.toml"
+TEMPLATE = Path(__file__).resolve().parent.parent / "packaged.toml"
 SERVICE_USER = "appliance"
 
 

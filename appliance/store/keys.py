@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.store import open_db
+from appliance.store.requests import open_db
 from cascade.policy import PRIORITY_CLASSES
 
 log = logging.getLogger("appliance")

@@ -1,0 +1,1 @@
+"""What the daemon keeps in SQLite: the request log and the API keys."""
