@@ -14,6 +14,11 @@ quarter of the slots) with only its ports and folders moved. Five paths per conc
              this stack costs at the least, so the appliance's CPU can be read against it as well as nginx's
   appliance  the appliance without a key: every request in the anonymous class (single-class traffic)
   classes    the appliance with keys of gold, silver and bronze in turn (admission classes in use)
+With --also REF (a commit, say the change's parent), two more paths: that commit's API and the working
+tree's, each built by bench/front_at.py in front of the same engine, so a change is compared with its
+parent in one run (`@REF` and `@work`), with the goal: tok/s ratio and p50/p99 TTFT no worse than REF's
+(within 0.02 of the ratio, 1 ms of p50, 10% of p99) and the working tree's gateway CPU per stream within
+0.5 ms of the floor path's at 8 to 32 streams.
 Rounds rotate the paths' order so drift in the machine hits them all; after the classes path the run waits
 out gold's reserve memory (admission.reserve_memory_s), so the next path's traffic is single-class as its
 name says. Prints p50/p99 time to first
@@ -200,6 +205,7 @@ async def run(args: argparse.Namespace) -> None:
     app = launch_appliance(cfg_path, tmp)
     nginx = None
     floor: multiprocessing.Process | None = None
+    others: list[subprocess.Popen] = []  # --also's fronts
     try:
         print(f"starting the appliance on {cfg_path} (dev/appliance.toml's settings; log: {app.log_path}) ...",
               flush=True)
@@ -224,6 +230,13 @@ async def run(args: argparse.Namespace) -> None:
         paths.append(Route("floor", f"http://127.0.0.1:{floor_port}/v1/chat/completions", direct_auth,
                            [psutil.Process(floor.pid)]))
         wait_listening(floor_port)
+        for name, root in _also(args.also, tmp):
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "front_at.py"), str(root), str(cfg_path),
+                                     str(port)], stdout=subprocess.DEVNULL)
+            others.append(proc)
+            wait_listening(port, 120)
+            paths.append(Route(name, f"http://127.0.0.1:{port}/v1/chat/completions", [{}], [psutil.Process(proc.pid)]))
         me = [psutil.Process(app.proc.pid)]
         paths.append(Route("appliance", f"{app.url}/v1/chat/completions", [{}], me))
         paths.append(Route("classes", f"{app.url}/v1/chat/completions",
@@ -279,6 +292,8 @@ async def run(args: argparse.Namespace) -> None:
                 p99 = pct(s.ttft, 99) / pct(d.ttft, 99)
                 print(f"{conc:>7} {name:>9} tok/s {ratio:.3f}x of direct, ttft p50 {p50:+.2f} ms, "
                       f"p99 {p99:.2f}x of direct")
+                if name == "@work" and args.also:
+                    verdicts.extend(_against_parent(conc, results, busy, d_rate, args.also))
                 if name == "appliance":
                     verdicts.append(_goal(f"{conc:>2} streams: tok/s ratio {ratio:.3f} >= nginx's {nginx_ratio:.3f} - 0.02",
                                           ratio >= nginx_ratio - 0.02))
@@ -309,7 +324,38 @@ async def run(args: argparse.Namespace) -> None:
             nginx.wait(10)
         if floor is not None:
             floor.kill()
+        for proc in others:
+            proc.kill()
         app.stop()
+
+
+def _also(ref: str | None, tmp: Path) -> list[tuple[str, Path]]:
+    """The fronts --also adds: REF's code (git archive, unpacked here) and the working tree's."""
+    if not ref:
+        return []
+    root = tmp / f"code-{ref}"
+    root.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    return [(f"@{ref[:8]}", root), ("@work", REPO)]
+
+
+def _against_parent(conc: int, results: dict[str, Sample], busy: dict[str, float], d_rate: float,
+                    ref: str) -> list[str]:
+    """The working tree's front against REF's, this level: no worse, within the noise allowed."""
+    work, old = results["@work"], results[f"@{ref[:8]}"]
+    r_work, r_old = work.tokens / work.wall / d_rate, old.tokens / old.wall / d_rate
+    p50 = (pct(work.ttft, 50) - pct(old.ttft, 50)) * 1e3
+    p99 = pct(work.ttft, 99) / pct(old.ttft, 99)
+    out = [_goal(f"{conc:>2} streams: tok/s ratio {r_work:.3f} vs {ref[:8]}'s {r_old:.3f} (>= it - 0.02)",
+                 r_work >= r_old - 0.02),
+           _goal(f"{conc:>2} streams: p50 TTFT {p50:+.2f} ms vs {ref[:8]}'s (<= +1 ms)", p50 <= 1.0),
+           _goal(f"{conc:>2} streams: p99 TTFT {p99:.2f}x {ref[:8]}'s (<= 1.1x)", p99 <= 1.1)]
+    if conc >= 8:
+        gap = busy["@work"] - busy["floor"]
+        out.append(_goal(f"{conc:>2} streams: gateway CPU {busy['@work']:.2f} ms per stream, {gap:+.2f} ms from the "
+                         f"floor's {busy['floor']:.2f} ({ref[:8]}: {busy[f'@{ref[:8]}']:.2f}) (<= +0.5 ms)", gap <= 0.5))
+    return out
 
 
 def _goal(what: str, met: bool) -> str:
@@ -321,6 +367,7 @@ def main() -> None:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--also", metavar="REF", help="also REF's API and the working tree's, in front of the same engine")
     asyncio.run(run(ap.parse_args()))
 
 
