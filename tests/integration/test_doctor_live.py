@@ -29,7 +29,7 @@ def test_doctor_route_reports_setup_and_live_findings(appliance: RunningApplianc
 
 
 def test_doctor_command_merges_the_daemons_findings(appliance: RunningAppliance):
-    out = subprocess.run([sys.executable, "-m", "appliance.cli", "doctor", "--config", str(appliance.boot.config),
+    out = subprocess.run([sys.executable, "-m", "appliance.cli", "doctor", "--config", str(appliance.config),
                           "--json", "--no-hash"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     checks = {f["check"] for f in json.loads(out.stdout)["findings"]}

@@ -226,7 +226,7 @@ def test_nonstream_client_disconnect_aborts_engine_request(appliance: RunningApp
 
 
 def _rows(appliance: RunningAppliance) -> list[dict]:
-    db = appliance.boot.config.parent / "state" / "appliance.db"
+    db = appliance.config.parent / "state" / "appliance.db"
     con = sqlite3.connect(db)
     con.row_factory = sqlite3.Row
     try:
@@ -314,7 +314,7 @@ def test_models_retrieve_through_the_sdk(oai: openai.OpenAI, appliance: RunningA
     assert model.id == appliance.served_name and same(model) == same(listed[appliance.served_name])
     from appliance.boot import config
 
-    key = (config.load(appliance.boot.config).state.directory / "engine.key").read_text().strip()
+    key = (config.load(appliance.config).state.directory / "engine.key").read_text().strip()
     straight = appliance.engine_get(f"/v1/models/{appliance.served_name}", timeout=5,
                                     headers={"Authorization": f"Bearer {key}"})
     assert straight.status_code == 404  # the engine itself has no such route

@@ -57,7 +57,7 @@ def _row(app: RunningAppliance, rid: str) -> dict:
 def test_log_prompts_is_applied_by_a_reload(appliance: RunningAppliance):
     off = _row(appliance, _ask(appliance, f"Repeat {marker()}"))
     assert off["prompt"] is None and off["completion"] is None  # the session appliance's default
-    text = appliance.boot.config.read_text()
+    text = appliance.config.read_text()
     assert "log_prompts" not in text
     with _config_text(appliance, text.replace("[state]\n", "[state]\nlog_prompts = true\n"), "configuration reloaded"):
         m = marker()
@@ -68,7 +68,7 @@ def test_log_prompts_is_applied_by_a_reload(appliance: RunningAppliance):
 
 
 def test_a_reload_with_an_invalid_file_is_refused_and_the_running_configuration_kept(appliance: RunningAppliance):
-    text = appliance.boot.config.read_text()
+    text = appliance.config.read_text()
     broken = text.replace("[state]\n", "[state]\nlog_prompts = \"sometimes\"\n")
     with _config_text(appliance, broken, "reload refused, keeping the running configuration"):
         said = "\n".join(appliance.log_text().split("reload refused")[-1].splitlines()[:3])
