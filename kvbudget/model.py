@@ -91,6 +91,9 @@ class ModelShape:
     # convolution, shared blocks, layer kinds): planned alone, its figures would be wrong. vLLM's probe
     # plans such a model; the kvbudget model alone refuses it (kvbudget.planner.require_modelled).
     unmodelled: tuple[str, ...] = field(default=())
+    # The chat template (tokenizer_config.json's or chat_template.jinja), for the tool-calling choice
+    # (kvbudget.tools); None when the folder has none or only config.json was read.
+    chat_template: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

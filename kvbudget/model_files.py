@@ -44,10 +44,29 @@ def read_model_folder(folder: Path) -> ModelShape:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelError(f"{folder} has no config.json: not a Hugging Face model folder")
-    shape = shape_from_config(_read_json(cfg_path), name=folder.name)
+    shape = replace(shape_from_config(_read_json(cfg_path), name=folder.name), chat_template=read_chat_template(folder))
     if any(folder.glob("*.safetensors")):
         return replace(shape, weight_bytes=safetensors_bytes(folder), weight_bytes_exact=True, notes=())
     return shape
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The chat template vLLM would use: chat_template.jinja, else tokenizer_config.json's (a string, or
+    the "default" of a list of named templates)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(errors="replace")
+    tok = folder / "tokenizer_config.json"
+    if not tok.is_file():
+        return None
+    try:
+        given = _read_json(tok).get("chat_template")
+    except (ModelError, AttributeError):
+        return None
+    if isinstance(given, list):
+        named = {t.get("name"): t.get("template") for t in given if isinstance(t, dict)}
+        given = named.get("default") or next(iter(named.values()), None)
+    return given if isinstance(given, str) else None
 
 
 def read_model(path: Path) -> ModelShape:

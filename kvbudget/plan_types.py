@@ -21,6 +21,7 @@ from kvbudget.cpu import CpuIsa
 from kvbudget.model import ModelShape
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import GpuProfile
+from kvbudget.tools import ToolCalling
 
 Workload = Literal["chat", "code", "long-context", "tool-calling"]
 WORKLOADS: tuple[Workload, ...] = get_args(Workload)
@@ -42,6 +43,8 @@ class Targets:
     prefix_caching: bool = True  # vLLM's default; off trades cache hits for fewer state blocks on hybrids
     draft_model: str | None = None  # a local EAGLE-3 folder; its path goes into --speculative-config
     draft_layers: int | None = None  # KV layers the draft adds (counted from its config.json)
+    tool_call_parser: str = "auto"  # auto: from the model (kvbudget.tools); "none"; or a vLLM parser name
+    reasoning_parser: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class Plan:
     vllm: VllmFigures | None = None
     model_figures: KvCapacity | None = None  # the kvbudget model's figures, kept when vLLM's replaced them
     disagreements: tuple[str, ...] = ()
+    tools: ToolCalling | None = None  # tool-calling and reasoning parsers (kvbudget.tools); None: did not fit
 
     @property
     def targets_met(self) -> bool:

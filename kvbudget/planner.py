@@ -31,6 +31,7 @@ from kvbudget.plan_types import (
 )
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
+from kvbudget.tools import plan_tools
 
 GiB = 1 << 30
 
@@ -303,9 +304,11 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         notes.append(f"p50 TTFT target {targets.ttft_p50_ms:g} ms: prefill speed is measured, not planned; "
                      "admission control enforces it on live traffic")
     max_num_seqs = max_num_seqs or targets.sessions or _seqs_for(cap.max_concurrency)
-    args = _vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching)
-    return Plan(device, model, targets, platform, True, mem, eng, lay, cap,
-                _sessions_at(model, eng, pool), max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args))
+    tools = plan_tools(model, model.chat_template, targets.tool_call_parser, targets.reasoning_parser)
+    notes.append(tools.summary())
+    args = [*_vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching), *tools.args]
+    return Plan(device, model, targets, platform, True, mem, eng, lay, cap, _sessions_at(model, eng, pool),
+                max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args), tools=tools)
 
 
 def _prefix_caching_cost(model: ModelShape, targets: Targets, eng: EngineShape, cap: KvCapacity, pool: int) -> list[str]:

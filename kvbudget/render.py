@@ -38,6 +38,9 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "findings": [f.__dict__ | {"remedies": list(f.remedies)} for f in p.findings],
         "notes": list(p.notes),
         "vllm_args": list(p.vllm_args),
+        "tools": None if p.tools is None else {
+            "tool_call_parser": p.tools.tool_call_parser, "reasoning_parser": p.tools.reasoning_parser,
+            "auto_tool_choice": p.tools.auto, "template_renders_tools": p.tools.renders_tools, "why": p.tools.why},
     }
     if p.layout and p.capacity:
         lay, cap = p.layout, p.capacity

@@ -272,6 +272,34 @@ def _emulate_cpu_isa(isa: str) -> str:
 _SCRATCH = tempfile.TemporaryDirectory(prefix="kvprobe-")  # removed when the probe exits
 
 
+def _serve_arguments(model: str, args: list[str], probe_only: list[str]) -> Any:
+    """The plan's command line read by the parser `vllm serve` uses (engine and server flags alike: the
+    tool-call and reasoning parsers are server flags), with serve's own checks and the parser names looked
+    up in vLLM's registries, as the server would at start. The namespace, or the refusal to return."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    try:
+        ns = parser.parse_args(["--model", model, *args, *probe_only])
+    except SystemExit as e:  # argparse has printed its reason on stderr
+        return {"ok": False, "stage": "arguments",
+                "error": f"vLLM's argument parser refused the command line {args} (exit {e.code})"}
+    try:
+        validate_parsed_serve_args(ns)
+    except (TypeError, ValueError, KeyError) as e:
+        return {"ok": False, "stage": "arguments", "error": _refusal(e)}
+    for flag, name, known in (("--tool-call-parser", ns.tool_call_parser, ToolParserManager.list_registered()),
+                              ("--reasoning-parser", getattr(ns, "reasoning_parser", None),
+                               ReasoningParserManager.list_registered())):
+        if name and name not in known:
+            return {"ok": False, "stage": "arguments",
+                    "error": f"{flag} {name!r} is not a parser this vLLM has; it has {', '.join(sorted(known))}"}
+    return ns
+
+
 def _model_folder(model: str) -> str:
     """vLLM reads a folder: a bare config.json is given one of its own."""
     if os.path.isdir(model):
@@ -380,7 +408,6 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
@@ -398,12 +425,13 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     if device.get("platform") == "cuda":
         probe_only += ["--distributed-executor-backend", "uni"]
 
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm"))
-    try:
-        ns = parser.parse_args(["--model", model, *args, *probe_only])
-    except SystemExit as e:  # argparse has printed its reason on stderr
-        return {"ok": False, "stage": "arguments",
-                "error": f"vLLM's argument parser refused the command line {args} (exit {e.code})"}
+    refused = _serve_arguments(model, args, probe_only)
+    if isinstance(refused, dict):
+        return refused
+    ns = refused
+    # Checked above; the reasoning parser needs the tokenizer's vocabulary, which the probe never loads,
+    # and neither parser changes the KV cache.
+    ns.reasoning_parser = EngineArgs.reasoning_parser
     try:
         vcfg = EngineArgs.from_cli_args(ns).create_engine_config()
     except Exception as e:  # vLLM's own refusal, worded by vLLM

@@ -99,6 +99,11 @@ class StateSection(_Section):
     log_prompts: bool = Field(default=False, description="Store prompt and completion text in the request log.")
 
 
+# A parser name as vLLM's registries spell them (qwen3_coder, llama4_pythonic, openai_gptoss): checked
+# for shape here, for existence by vLLM's own argument parser when the plan goes through the probe.
+ParserName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,40}$")]
+
+
 class EngineSection(_Section):
     python: str = Field(default="", description="Interpreter that has vLLM installed; default: the appliance's own.")
     socket_dir: Path | None = Field(default=None,
@@ -114,6 +119,12 @@ class EngineSection(_Section):
         description="Share of GPU memory the plan may use, like vLLM's own default.")
     enforce_eager: bool = Field(default=False,
         description="Skip torch.compile and CUDA graphs: faster start, slower decode.")
+    tool_call_parser: ParserName = Field(default="auto",
+        description="vLLM's --tool-call-parser: \"auto\" chooses it from the model (its family and chat template; "
+                    "the plan says what it chose and which tool choices work), \"none\" turns tool calls off, "
+                    "or a parser name vLLM knows (checked by vLLM at planning).")
+    reasoning_parser: ParserName = Field(default="auto",
+        description="vLLM's --reasoning-parser: \"auto\" from the model family, \"none\", or a parser name.")
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the vLLM command line.")
     cache_dir: Path | None = Field(default=None, description="vLLM compile cache; default: <state>/engine-cache.")
     startup_timeout_s: Seconds = Field(default=900.0,

@@ -41,6 +41,8 @@ def targets_from_config(cfg: Config) -> Targets:
         tpot_ms=t.tpot_ms,
         speculative=t.speculative,
         prefix_caching=t.prefix_caching,
+        tool_call_parser=cfg.engine.tool_call_parser,
+        reasoning_parser=cfg.engine.reasoning_parser,
     )
 
 
