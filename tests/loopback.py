@@ -48,3 +48,12 @@ def async_client(**kwargs: Any) -> httpx.AsyncClient:
 def unix_client(path: str, **kwargs: Any) -> httpx.Client:
     """A client for a server on a Unix socket (the engine's): its transport gets the one context too."""
     return httpx.Client(transport=httpx.HTTPTransport(uds=path, verify=CONTEXT), verify=CONTEXT, **kwargs)
+
+
+def anthropic_http_client(uds: str | None = None) -> Any:
+    """The http_client for the anthropic package, which (from 2.x) runs on httpx2, httpx's fork, and
+    refuses an httpx client: the same one TLS context, over a Unix socket when `uds` is given."""
+    import httpx2
+
+    transport = httpx2.HTTPTransport(uds=uds, verify=CONTEXT) if uds else None
+    return httpx2.Client(transport=transport, verify=CONTEXT)

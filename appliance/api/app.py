@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.api import dialects
 from appliance.api.auth import ApiKeyAuth
 from appliance.api.errors import ApiError, install_handlers
 from appliance.api.faults import FaultBarrier
 from appliance.api.gateway import Gateway
-from appliance.api.schemas import ChatCompletionRequest, CompletionRequest
 from appliance.engine.supervisor import EngineState
 from appliance.store.keys import KeyVerifier
 from cascade.outbox import STATUSES
@@ -45,16 +45,45 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
 
 
 def generation_routes(gateway: Gateway) -> APIRouter:
-    """What the engine answers, through the gateway: chat, completions and the model list."""
+    """What the engine answers, through the gateway: chat, completions, the Responses API, Anthropic's
+    Messages API and the model list (docs/http-api.md's route table)."""
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await gateway.generate(request, "/v1/chat/completions", ChatCompletionRequest)
+        return await gateway.generate(request, dialects.CHAT)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await gateway.generate(request, "/v1/completions", CompletionRequest)
+        return await gateway.generate(request, dialects.COMPLETIONS)
+
+    @router.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await gateway.generate(request, dialects.RESPONSES)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await gateway.pass_through(request, f"/v1/responses/{response_id}", with_body=False)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await gateway.pass_through(request, f"/v1/responses/{response_id}/cancel", with_body=False)
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await gateway.generate(request, dialects.MESSAGES)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await gateway.pass_through(request, "/v1/messages/count_tokens")
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await gateway.pass_through(request, "/tokenize")
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await gateway.pass_through(request, "/detokenize")
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -70,4 +70,4 @@ class ApiKeyAuth:
 
 async def _deny(scope: Any, receive: Any, send: Any, status: int, message: str, code: str) -> None:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
-    await ApiError(status, message, code=code, headers=headers).response()(scope, receive, send)
+    await ApiError(status, message, code=code, headers=headers).response(scope["path"])(scope, receive, send)

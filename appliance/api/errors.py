@@ -1,12 +1,17 @@
-"""OpenAI-style errors: every failure the API returns has the body
+"""Errors in the shape the route's clients expect: every failure the API returns has OpenAI's body
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-and the status an OpenAI client expects, never a traceback.
+except on Anthropic's Messages routes (/v1/messages...), where it has Anthropic's
+
+    {"type": "error", "error": {"type": ..., "message": ...}}
+
+and the status those clients expect, never a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -36,6 +41,19 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its API's documented errors); 5xx other than these: api_error.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class ApiError(Exception):
     def __init__(
         self,
@@ -55,11 +73,14 @@ class ApiError(Exception):
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
-    def body(self) -> dict[str, dict[str, str | None]]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error's body in the shape of the route at `path` (OpenAI's unless an Anthropic route)."""
+        if anthropic_route(path):
+            return anthropic_body(self.status, self.message)
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return _AsciiJSON(self.body(path), status_code=self.status, headers=self.headers)
 
 
 class _AsciiJSON(JSONResponse):
@@ -81,26 +102,33 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def anthropic_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
-        return ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+        error = ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None))
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Logged with the traceback for the operator; the client gets no internals.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, "internal error in the appliance; see its log", code="internal_error").response()
+        error = ApiError(500, "internal error in the appliance; see its log", code="internal_error")
+        return error.response(request.url.path)
 
 
 def validation_error(errors: Sequence[Any]) -> ApiError:
@@ -111,3 +139,25 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
     )
     return ApiError(422, f"invalid request: {detail}", code="invalid_type", param=param)
+
+
+def normalise_error(status: int, content: bytes, path: str = "") -> tuple[bytes, str | None]:
+    """Re-shape the engine's error into the body of the route at `path` (OpenAI's, or Anthropic's on the
+    Messages routes) with that API's error type.
+
+    vLLM answers {"error": {"message", "type": "BadRequestError", "param", "code": 400}}:
+    the right idea with a Python class name for the type and the status as the code.
+    Clients switch on `type` and `code`, so those are mapped; message and param are kept.
+    """
+    message, param, code = None, None, None
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        data = json.loads(content)
+        err = data.get("error") if isinstance(data.get("error"), dict) else data
+        if isinstance(err.get("message"), str):
+            message, param = err["message"], err.get("param")
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+    if message is None:
+        message = f"the engine answered {status}: {content.decode('utf-8', 'replace')[:500]}"
+    code = code or ("engine_rejected" if status < 500 else "engine_error")
+    body = ApiError(status, message, code=code, param=param if isinstance(param, str) else None).body(path)
+    return json.dumps(body).encode(), code

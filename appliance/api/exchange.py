@@ -26,8 +26,8 @@ from typing import Any
 from fastapi.responses import Response
 
 from appliance.api.admission import AdmissionGate, Ticket
-from appliance.api.errors import ApiError
-from appliance.api.recording import completion_text, normalise_error, take_usage
+from appliance.api.dialects import CHAT, Dialect, take_usage
+from appliance.api.errors import ApiError, normalise_error
 from appliance.ops.metrics import Metrics
 from appliance.store.requests import RequestLog, RequestRecord
 from cascade.policy import Decision
@@ -46,6 +46,7 @@ class Exchange:
     cls: str  # priority class
     tenant: str | None
     owner: Exchanges
+    dialect: Dialect = CHAT  # the API it speaks: where its usage, text and errors are
     # What it asked for, once the body is read and checked.
     body: dict = field(default_factory=dict)  # what goes to the engine (the gateway adds to it) ...
     original: dict = field(default_factory=dict)  # ... and what the client sent, what an escalation forwards
@@ -154,11 +155,11 @@ class Exchange:
         if status == 200:
             with contextlib.suppress(ValueError, AttributeError, TypeError):
                 data = json.loads(content)
-                take_usage(rec, data.get("usage"))
+                take_usage(rec, self.dialect.usage_of(data))
                 if rec.prompt is not None:
-                    rec.completion = completion_text(data)
+                    rec.completion = self.dialect.text_of(data, False)
         elif engine:
-            content, rec.error_code = normalise_error(status, content)
+            content, rec.error_code = normalise_error(status, content, self.dialect.route)
         return ClosingResponse(content, self.close, status_code=status, media_type=media_type, headers=headers)
 
 
@@ -191,10 +192,10 @@ class Exchanges:
     def keeps_text(self) -> bool:
         return self.request_log is not None and self.request_log.keep_text
 
-    def open(self, rid: str, route: str, cls: str, key: Any) -> Exchange:
-        rec = RequestRecord(id=rid, ts=time.time(), route=route, model=None, status=0, stream=False,
+    def open(self, rid: str, dialect: Dialect, cls: str, key: Any) -> Exchange:
+        rec = RequestRecord(id=rid, ts=time.time(), route=dialect.route, model=None, status=0, stream=False,
                             key_id=key.id if key else None, extra={"class": cls})
-        ex = Exchange(rec, time.perf_counter(), cls, key.tenant if key else None, self)
+        ex = Exchange(rec, time.perf_counter(), cls, key.tenant if key else None, self, dialect)
         self._open[id(ex)] = ex
         return ex
 

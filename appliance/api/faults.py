@@ -54,4 +54,4 @@ class FaultBarrier:
                 self.on_fault(route)
             if not started:
                 error = ApiError(500, "internal error in the appliance; its log has the details", code="internal_error")
-                await error.response()(scope, receive, send)
+                await error.response(scope.get("path", ""))(scope, receive, send)

@@ -23,12 +23,13 @@ from starlette.requests import ClientDisconnect
 from appliance.api import answers
 from appliance.api.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.api.admission import Request as AdmissionRequest
+from appliance.api.dialects import Dialect
 from appliance.api.disconnect import ClientGone, race_disconnect, read_or_leave
 from appliance.api.engine_stream import EngineLinkError, EngineStream
-from appliance.api.errors import ApiError, error_body, retry_later
+from appliance.api.errors import ApiError, error_body, normalise_error, retry_later
 from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.http_protocol import BODY_TIMED_OUT
-from appliance.api.intake import body_model, estimate_tokens, max_tokens, prompt_text, read_json, request_id
+from appliance.api.intake import body_model, estimate_tokens, max_tokens, read_json, request_id
 from appliance.api.relay import EventFilter, refused_at_start
 from appliance.api.route_choice import Local, Refuse, Regional, choose_route
 from appliance.api.routing import Routing
@@ -68,6 +69,9 @@ class GatewaySettings:
     default_class: str = "silver"  # the priority class of a request without a key
     max_choices: int = 4  # largest n / best_of: the sequences one request may run in the engine
     engine_socket: Path | None = None  # the engine's Unix socket (unset only in tests that never reach it)
+    # The plan's word on tool_choice "auto" (kvbudget.tools): False where the chat template does not show
+    # the model its tools, and such a request is refused rather than answered as if no tools were given.
+    auto_tool_choice: bool = True
 
 
 class Gateway:
@@ -139,13 +143,29 @@ class Gateway:
         raise ApiError(404, f"the model '{model_id}' does not exist here; this appliance serves "
                             f"'{self.settings.served_name}'", code="model_not_found", param="model")
 
-    async def generate(self, request: Request, route: str, schema: type) -> Response:
+    async def pass_through(self, request: Request, path: str, with_body: bool = True) -> Response:
+        """A route the engine answers at once without generating (Anthropic's count_tokens; a stored
+        response's retrieval or cancellation, of which this appliance keeps none: docs/http-api.md): the
+        body checked like a generation's, passed on, and an error in the route's shape."""
+        base = self.require_ready()
+        content = json.dumps(await read_json(request, self.settings.max_body_bytes)).encode() if with_body else None
+        try:
+            r = await self.client.request(request.method, f"{base}{path}", content=content,
+                                          headers=self._auth(request_id(request)))
+        except httpx.HTTPError as e:
+            raise self._unreachable(e) from None
+        if r.status_code != 200:
+            shaped, _ = normalise_error(r.status_code, r.content, path)
+            return Response(shaped, status_code=r.status_code, media_type="application/json")
+        return Response(r.content, media_type="application/json")
+
+    async def generate(self, request: Request, dialect: Dialect) -> Response:
         """One generation request, start to end: every way out of here closes its exchange once."""
         key = request.scope.get("state", {}).get("api_key")
         cls = key.priority_class if key else self.settings.default_class
-        ex = self.exchanges.open(request_id(request), route, cls, key)
+        ex = self.exchanges.open(request_id(request), dialect, cls, key)
         try:
-            return await self._generate(request, schema, ex)
+            return await self._generate(request, ex)
         except ApiError as e:
             raise ex.refused(e) from None
         except ClientGone:
@@ -160,41 +180,51 @@ class Gateway:
             # stays open (an exception left to Starlette is logged twice and closes it).
             log.exception("request %s: %s in the gateway", ex.id, type(e).__name__, extra={"REQUEST_ID": ex.id})
             if self.metrics is not None:
-                self.metrics.observe_fault(route)
+                self.metrics.observe_fault(dialect.route)
             raise ex.refused(ApiError(500, f"internal error in the appliance (request {ex.id}); its log has the "
                                            "details", code="internal_error")) from None
         except BaseException:  # cancelled: the server is stopping, or the client left mid-await
             ex.close(499, "client_disconnected")
             raise
 
-    async def _generate(self, request: Request, schema: type, ex: Exchange) -> Response:
-        rec = ex.rec
+    async def _generate(self, request: Request, ex: Exchange) -> Response:
+        rec, dialect = ex.rec, ex.dialect
         body: Any = None
         try:
             body = await read_json(request, self.settings.max_body_bytes)
-            parsed = validate_body(schema, body)
+            parsed = validate_body(dialect.schema, body)
         finally:
             rec.model = body_model(body)  # for the request log, also of a refused request
-        text = prompt_text(body)  # once: for the estimate and, when kept, the request log
+        if not self.settings.auto_tool_choice and dialect.auto_tools(body):
+            raise ApiError(400, "tool_choice \"auto\" cannot call tools with this model: its chat template does not "
+                                "show it the tools (`appliance plan` says so). Name the tool (OpenAI: tool_choice="
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}; Anthropic: {\"type\": "
+                                "\"tool\", \"name\": ...}) or ask for any (\"required\"; Anthropic: {\"type\": "
+                                "\"any\"}): those are decoded under the tool's schema", code="tool_choice_unsupported",
+                           param="tool_choice")
+        text = dialect.prompt_text(body)  # once: for the estimate and, when kept, the request log
         ex.prompt_tokens, ex.max_tokens = estimate_tokens(text), max_tokens(parsed)
         ex.seqs = self._sequences(parsed)
         limit = self._class_token_limit(ex.cls)
         if ex.max_tokens is None and limit is not None:
             # Left out or null means "as many as the context allows" to the engine: the class limit
             # applies to that too, so the engine is told it.
-            body["max_tokens"] = ex.max_tokens = limit
+            body[dialect.limit_field] = ex.max_tokens = limit
         ex.decision = self.routing.decide(request.headers, parsed.model, ex.prompt_tokens, ex.max_tokens,
                                           ex.tenant)
         way = choose_route(ex.decision, model=parsed.model, served_name=self.settings.served_name,
                            serves_regionally=self.routing.serves_regionally(parsed.model),
-                           engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable)
+                           engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable,
+                           escalable=dialect.cascade)
         if isinstance(way, Refuse):
             raise way.error
         rec.model, rec.stream = parsed.model, bool(parsed.stream)
         if self.exchanges.keeps_text:
             rec.prompt = text
         ex.body, ex.original = body, dict(body)
-        ex.client_wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        # Only where the engine takes stream_options is a usage event asked for (and stripped again).
+        ex.client_wants_usage = not dialect.stream_usage or bool(parsed.stream_options and
+                                                                 parsed.stream_options.include_usage)
         return await self._route(request, ex, way)
 
     async def _route(self, request: Request, ex: Exchange, way: Local | Regional) -> Response:

@@ -111,13 +111,6 @@ def body_model(body: Any) -> str | None:
     return body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
 
 
-def prompt_text(body: dict) -> str:
-    if "messages" in body:
-        return json.dumps(body["messages"], ensure_ascii=False)
-    p = body.get("prompt")
-    return p if isinstance(p, str) else json.dumps(p)
-
-
 def estimate_tokens(text: str) -> int:
     """About four bytes of text per token: admission only needs the order of magnitude, and
     tokenizing at the gateway would cost a round trip to the engine per request."""
@@ -127,7 +120,9 @@ def estimate_tokens(text: str) -> int:
 def max_tokens(parsed: Any) -> int | None:
     """The output limit the engine will apply. Chat reads max_completion_tokens first, as vLLM does; a
     completion request has no such field (vLLM ignores it there), so here it is any JSON value, unchecked,
-    and must count for nothing."""
+    and must count for nothing. The Responses API's limit is max_output_tokens."""
+    if "max_output_tokens" in type(parsed).model_fields:
+        return parsed.max_output_tokens
     if "max_completion_tokens" in type(parsed).model_fields:
         return parsed.max_completion_tokens or parsed.max_tokens
     return parsed.max_tokens

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from appliance.api import answers
+from appliance.api.dialects import CHAT, Dialect, take_usage
 from appliance.api.errors import error_body
 from appliance.api.exchange import Exchange
-from appliance.api.recording import completion_text, take_usage
 from appliance.store.requests import RequestRecord
 from cascade import signals
 
@@ -85,7 +85,7 @@ class EventFilter:
             return b""
         ready, self._buf = buf[: cut + 2], buf[cut + 2 :]
         if _USAGE_MARK in ready or self.texts is not None or self.judge is not None:
-            ready = inspect_events(ready, rec, self.strip_usage, self.texts, self.judge)
+            ready = inspect_events(ready, rec, self.strip_usage, self.texts, self.judge, self.exchange.dialect)
         if self.judge is not None:
             if self._held is not None:
                 self._held += ready
@@ -123,28 +123,30 @@ class EventFilter:
 
 
 def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: list[str] | None,
-                   judge: StreamJudge | None = None) -> bytes:
-    """Whole events: usage taken into `rec`, text into `texts`, log-probabilities into the judge."""
+                   judge: StreamJudge | None = None, dialect: Dialect = CHAT) -> bytes:
+    """Whole events: usage taken into `rec`, text into `texts`, log-probabilities into the judge. An event
+    may name its type on an `event:` line before its data (the Responses and Messages APIs do)."""
     kept: list[bytes] = []
     for event in ready.split(b"\n\n"):
         if not event:
             continue
-        if event.startswith(b"data: {"):
+        at = 0 if event.startswith(b"data: {") else event.find(b"\ndata: {") + 1
+        if at > 0 or event.startswith(b"data: {"):
             is_usage = _USAGE_MARK in event
             # vLLM's usage-only event, tested as vLLM wrote it (hiding log-probabilities re-encodes it)
             usage_only = is_usage and strip_usage and _EMPTY_CHOICES in event
             if is_usage or texts is not None or judge is not None:
                 with contextlib.suppress(ValueError):
-                    data = json.loads(event[6:])
+                    data = json.loads(event[at + 6:])
                     if is_usage:
-                        take_usage(rec, data.get("usage"))
+                        take_usage(rec, dialect.usage_of(data))
                     if texts is not None:
-                        texts.append(completion_text(data, delta=True))
+                        texts.append(dialect.text_of(data, True))
                     if judge is not None:
                         judge.acc.add_chunk(data)
                         if judge.hide:
                             answers.hide_logprobs(data)
-                            event = b"data: " + json.dumps(data).encode()
+                            event = event[:at] + b"data: " + json.dumps(data).encode()
             if usage_only:
                 continue
         kept.append(event + b"\n\n")

@@ -15,6 +15,10 @@ appliance/api/routing.py does the I/O of each way.
 | escalate now, async                                     | Local, the escalation queued first           |
 | local, then judged (auto)                               | Local, judged                                |
 | otherwise                                               | Local                                        |
+
+A route the cascade does not speak (the Responses and Messages APIs: `escalable` False) is answered
+locally or refused: a policy that would escalate it is a 400 saying so, a model only the region serves a
+404, the engine not ready its 503.
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ Route = Local | Regional | Refuse
 
 
 def choose_route(decision: Decision | None, *, model: str, served_name: str, serves_regionally: bool,
-                 engine_refusal: ApiError | None, link_usable: bool) -> Route:
+                 engine_refusal: ApiError | None, link_usable: bool, escalable: bool = True) -> Route:
     """decision is None when no regional cluster is configured; engine_refusal is the 503 the engine's
-    state gives now (None while it serves)."""
+    state gives now (None while it serves); escalable is False on a route the cascade does not speak."""
+    if not escalable:
+        return _local_only(decision, model, served_name, engine_refusal)
     if decision is not None and decision.action == "refuse":
         status, code = _REFUSALS[decision.refusal or "escalation_forbidden"]
         return Refuse(ApiError(status, f"the model '{model}' cannot be served here: {decision.reason}", code=code,
@@ -70,4 +76,17 @@ def choose_route(decision: Decision | None, *, model: str, served_name: str, ser
         return Local(queue_escalation=True) if local_model else Regional(fallback_local=False)
     if decision is not None and decision.action == "local_then_judge":
         return Local(judge=True)
+    return Local()
+
+
+def _local_only(decision: Decision | None, model: str, served_name: str, engine_refusal: ApiError | None) -> Route:
+    if decision is not None and decision.action == "escalate_now":
+        return Refuse(ApiError(400, f"this request would be escalated ({decision.reason}), but escalation to the "
+                                    "regional cluster is available on /v1/chat/completions and /v1/completions "
+                                    "only; send it there, or without the escalation", code="escalation_unsupported"))
+    if model != served_name:
+        return Refuse(ApiError(404, f"the model '{model}' does not exist here; this appliance serves "
+                                    f"'{served_name}' on this route", code="model_not_found", param="model"))
+    if engine_refusal is not None:
+        return Refuse(engine_refusal)
     return Local()

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from fastapi.responses import Response
 
 from appliance.api import answers
+from appliance.api.dialects import take_usage
 from appliance.api.errors import ApiError, retry_later
 from appliance.api.exchange import Exchange
-from appliance.api.recording import take_usage
 from appliance.api.relay import StreamJudge
 from cascade import signals
 from cascade.policy import Decision, PolicyError, RequestFacts, parse_headers

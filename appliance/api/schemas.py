@@ -52,6 +52,22 @@ class CompletionRequest(_Common):
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
 
+class ResponsesRequest(_Common):
+    """OpenAI's Responses API (POST /v1/responses): its output limit is max_output_tokens."""
+
+    input: StrictStr | Annotated[list[Any], Field(min_length=1)]
+    instructions: StrictStr | None = None
+    max_output_tokens: PositiveInt | None = None
+
+
+class MessagesRequest(_Common):
+    """Anthropic's Messages API (POST /v1/messages): max_tokens is required there."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt
+    system: StrictStr | list[Any] | None = None
+
+
 def validate_body(model: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")

@@ -55,7 +55,8 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
         GatewaySettings(served_name=cfg.served_name, max_body_bytes=int(cfg.server.max_body_bytes),
                         retry_after_s=cfg.server.retry_after_s, upstream_timeout_s=cfg.server.upstream_timeout_s,
                         default_class=cfg.admission.anonymous_class, max_choices=cfg.server.max_choices,
-                        engine_socket=cfg.engine_socket),
+                        engine_socket=cfg.engine_socket,
+                        auto_tool_choice=site_plan.plan.tools is None or site_plan.plan.tools.auto),
         request_log, metrics, admission, cascade)
     # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
     watch = EngineWatch(gateway.client, lambda: supervisor.base_url if supervisor.ready else None,

@@ -4,8 +4,10 @@ Probes are drawn from the Hypothesis strategies in tests/fuzz/requests.py (a see
 sent `concurrency` at a time, and every answer is checked:
 
 * no 5xx but a 503 with Retry-After (a refusal, not a fault); no 500 at all;
-* every 4xx/5xx an OpenAI error body (JSON object `error` with a message and a type);
-* every 200 a whole answer: JSON with choices, or an event stream that ends with [DONE] and no error event;
+* every 4xx/5xx an OpenAI error body (JSON object `error` with a message and a type), or Anthropic's
+  (`{"type": "error", "error": {"type", "message"}}`) on the Messages routes;
+* every 200 a whole answer: JSON with choices (output for a response, content for a message), or an event
+  stream that ends with [DONE] and no error event (response.completed, message_stop for those APIs);
 * an ordinary request is answered 200, or refused with 429/503 (admission under load), never with a 4xx;
 * no request left unanswered past its deadline (the configured timeouts plus generation time);
 * every request the gateway answered on a generation route has its row in the request log, with that status;
@@ -32,7 +34,7 @@ import psutil
 
 from tests import loopback
 from tests.fuzz import isolated
-from tests.fuzz.requests import Probe
+from tests.fuzz.requests import ANTHROPIC_ROUTES, Probe
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -96,6 +98,8 @@ async def send_all(base_url: str, drawn: Iterable[Probe], concurrency: int, time
 def _error_body_problem(out: Outcome) -> str | None:
     if "application/json" not in out.headers.get("content-type", ""):
         return f"content-type {out.headers.get('content-type')!r}, not JSON"
+    if out.probe.path.split("?")[0] in ANTHROPIC_ROUTES:
+        return _anthropic_error_problem(out)
     try:
         body = json.loads(out.body)
         err = body["error"]
@@ -104,6 +108,20 @@ def _error_body_problem(out: Outcome) -> str | None:
         assert err.get("code") is None or isinstance(err["code"], str)
     except (ValueError, KeyError, TypeError, AssertionError):
         return f"not an OpenAI error body: {out.body[:200]!r}"
+    return None
+
+
+_STREAM_ENDS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+
+
+def _anthropic_error_problem(out: Outcome) -> str | None:
+    """Anthropic's error shape on its routes: {"type": "error", "error": {"type", "message"}}."""
+    try:
+        body = json.loads(out.body)
+        assert body["type"] == "error" and isinstance(body["error"]["type"], str) and body["error"]["type"]
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"not an Anthropic error body: {out.body[:200]!r}"
     return None
 
 
@@ -138,6 +156,11 @@ def _answer_problem(out: Outcome) -> str | None:
     ctype = out.headers.get("content-type", "")
     if "text/event-stream" in ctype:
         events = [line[6:] for line in out.body.decode("utf-8", "replace").splitlines() if line.startswith("data: ")]
+        ending = _STREAM_ENDS.get(out.probe.path)
+        if ending is not None:  # the Responses and Messages streams end with an event of their own
+            if not events or f'"type":"{ending}"' not in events[-1]:
+                return f"stream did not end with {ending}: {out.body[-200:]!r}"
+            return None
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {out.body[-200:]!r}"
         errors = [e for e in events if e.startswith('{"error"')]
@@ -146,8 +169,10 @@ def _answer_problem(out: Outcome) -> str | None:
         return None
     if out.probe.generation:
         try:
-            if not isinstance(json.loads(out.body).get("choices"), list):
-                return "no choices"
+            answer = json.loads(out.body)
+            field = {"/v1/responses": "output", "/v1/messages": "content"}.get(out.probe.path, "choices")
+            if not isinstance(answer.get(field), list):
+                return f"no {field}"
         except ValueError:
             return f"200 with a body that is not JSON: {out.body[:200]!r}"
     return None

@@ -16,12 +16,14 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape there
 # The rest of the surface a client can reach on loopback without a key.
 OTHER_ROUTES = ("/v1/models", "/healthz", "/healthz/", "/readyz", "/metrics", "/v1/appliance/status",
                 "/v1/appliance/plan", "/v1/appliance/requests", "/v1/escalations", "/v1/escalations/nope",
-                "/v1/embeddings", "/tokenize", "/invocations", "/v1/../v1/models", "//v1/models", "/%00",
-                "/v1/chat/completions/", "/" + "a" * 3000)
+                "/v1/embeddings", "/tokenize", "/detokenize", "/invocations", "/v1/../v1/models", "//v1/models",
+                "/%00", "/v1/chat/completions/", "/v1/messages/count_tokens", "/v1/responses/resp_nope",
+                "/v1/responses/resp_nope/cancel", "/v1/models/nope", "/" + "a" * 3000)
 
 # Strings that have broken parsers, tokenizers, loggers and databases before.
 EDGE_TEXT = ("", " ", "\x00", "\x00\x01\x7f", "\u2028\u2029", "\ufeff", "\U0001f600" * 40, "a" * 4000,
@@ -77,6 +79,8 @@ def prompt_texts() -> st.SearchStrategy[str]:
 def well_formed(draw: st.DrawFn, route: str, served: str, max_tokens: int, max_choices: int) -> dict[str, Any]:
     """An ordinary request: what an OpenAI client would send, in every combination vLLM accepts."""
     optional = _sampling(max_tokens, max_choices)
+    if route in ("/v1/responses", "/v1/messages"):
+        return draw(_other_dialect(route, served, max_tokens))
     if route == "/v1/chat/completions":
         required = {"model": st.just(served), "messages": st.lists(_message(), min_size=1, max_size=3)}
     else:
@@ -98,10 +102,30 @@ def well_formed(draw: st.DrawFn, route: str, served: str, max_tokens: int, max_c
     return body
 
 
+def _other_dialect(route: str, served: str, max_tokens: int) -> st.SearchStrategy[dict[str, Any]]:
+    """An ordinary Responses or Anthropic Messages request (no n: neither API has it)."""
+    common = {"temperature": st.floats(0, 1), "top_p": st.floats(0.1, 1), "stream": st.booleans()}
+    if route == "/v1/responses":
+        # The Responses API's own input items: text, or messages whose parts are input_text
+        part = st.fixed_dictionaries({"type": st.just("input_text"), "text": st.text(max_size=60)})
+        item = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.one_of(
+            prompt_texts(), st.lists(part, min_size=1, max_size=2))})
+        given = st.one_of(prompt_texts(), st.lists(item, min_size=1, max_size=2))
+        return st.fixed_dictionaries({"model": st.just(served), "input": given},
+                                     optional={**common, "max_output_tokens": st.integers(1, max_tokens),
+                                               "instructions": st.text(max_size=80)})
+    turn = st.fixed_dictionaries({"role": st.just("user"), "content": st.text(min_size=1, max_size=200).filter(
+        lambda s: any(c.isprintable() and not c.isspace() for c in s))})
+    return st.fixed_dictionaries({"model": st.just(served), "messages": st.lists(turn, min_size=1, max_size=2),
+                                  "max_tokens": st.integers(1, max_tokens)},
+                                 optional={**common, "system": st.text(min_size=1, max_size=80)})
+
+
 # Fields a mutation aims at: the ones the gateway reads, and a few only vLLM does.
 TARGET_FIELDS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
                  "n", "best_of", "temperature", "top_p", "stop", "logprobs", "top_logprobs", "tools", "tool_choice",
-                 "response_format", "logit_bias", "seed", "metadata", "guided_json", "priority", "extra_body")
+                 "response_format", "logit_bias", "seed", "metadata", "guided_json", "priority", "extra_body",
+                 "input", "instructions", "max_output_tokens", "store", "previous_response_id", "system")
 
 
 @st.composite

@@ -322,3 +322,157 @@ def test_models_retrieve_through_the_sdk(oai: openai.OpenAI, appliance: RunningA
     with pytest.raises(openai.NotFoundError) as e:
         oai.models.retrieve("no-such-model")
     assert e.value.body["code"] == "model_not_found"
+
+
+# -- the Responses and Messages APIs, side by side with the engine ----------------------------------------
+
+
+def _engine_key(appliance: RunningAppliance) -> str:
+    from appliance.boot import config
+
+    return (config.load(appliance.config).state.directory / "engine.key").read_text().strip()
+
+
+def _straight_oai(appliance: RunningAppliance) -> openai.OpenAI:
+    """The same SDK pointed straight at the engine's socket, with the engine's key."""
+    from appliance.engine.args import ENGINE_BASE_URL
+
+    return openai.OpenAI(base_url=f"{ENGINE_BASE_URL}/v1", api_key=_engine_key(appliance), max_retries=0, timeout=120,
+                         http_client=loopback.unix_client(str(appliance.engine_socket)))
+
+
+def _log_rows(appliance: RunningAppliance, route: str, since: float) -> list[dict]:
+    return [r for r in _rows(appliance) if r["route"] == route and r["ts"] >= since]
+
+
+def test_the_responses_api_answers_as_the_engine_does(oai: openai.OpenAI, appliance: RunningAppliance):
+    """responses.create plain and streamed, through the appliance and straight to the engine: greedy, so the
+    same text; through the appliance each is a request-log row with its tokens."""
+    since = time.time()
+    ask = {"model": appliance.served_name, "input": "What is the capital of France?", "max_output_tokens": 8,
+           "temperature": 0}
+    texts, streamed = [], []
+    for client in (oai, _straight_oai(appliance)):
+        r = client.responses.create(**ask)
+        assert r.status == "completed" and r.usage.output_tokens <= 8
+        texts.append(r.output_text)
+        with client.responses.stream(**ask) as s:
+            deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+            final = s.get_final_response()
+        assert "".join(deltas) == final.output_text
+        streamed.append(final.output_text)
+    assert texts[0] == texts[1] and texts[0].strip(), texts
+    assert streamed[0] == streamed[1] == texts[0]
+    rows = wait_for(lambda: len(_log_rows(appliance, "/v1/responses", since)) == 2 and
+                    _log_rows(appliance, "/v1/responses", since), 10, what="two request-log rows")
+    assert {(r["status"], r["stream"]) for r in rows} == {(200, 0), (200, 1)}
+    assert all(r["prompt_tokens"] > 5 and 1 <= r["completion_tokens"] <= 8 for r in rows), rows
+    with pytest.raises(openai.NotFoundError):  # nothing is stored (docs/http-api.md)
+        oai.responses.retrieve(final.id)
+
+
+def test_anthropic_messages_answer_as_the_engine_does(appliance: RunningAppliance):
+    """The anthropic package's messages.create, plain and streamed, and count_tokens: through the appliance
+    (its key as x-api-key, as the SDK sends it) and straight to the engine (which wants a Bearer key)."""
+    import anthropic
+
+    from appliance.engine.args import ENGINE_BASE_URL
+
+    key = _engine_key(appliance)
+    through = anthropic.Anthropic(base_url=appliance.url, api_key="unused-on-loopback", max_retries=0, timeout=120,
+                                  http_client=loopback.anthropic_http_client())
+    straight = anthropic.Anthropic(base_url=ENGINE_BASE_URL, api_key=key, max_retries=0, timeout=120,
+                                   default_headers={"Authorization": f"Bearer {key}"},
+                                   http_client=loopback.anthropic_http_client(str(appliance.engine_socket)))
+    # greedy, so both answer alike (this SDK version has no temperature parameter: sent in the body)
+    ask = {"model": appliance.served_name, "max_tokens": 8, "extra_body": {"temperature": 0},
+           "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    answers, streamed, counted = [], [], []
+    for client in (through, straight):
+        m = client.messages.create(**ask)
+        assert m.type == "message" and m.usage.output_tokens <= 8
+        answers.append(m.content[0].text)
+        with client.messages.stream(**ask) as s:
+            text = "".join(s.text_stream)
+            streamed.append((text, s.get_final_message().usage.output_tokens))
+        counted.append(client.messages.count_tokens(model=ask["model"], messages=ask["messages"]).input_tokens)
+    assert answers[0] == answers[1] and answers[0].strip(), answers
+    assert streamed[0] == streamed[1] and streamed[0][0] == answers[0]
+    assert counted[0] == counted[1] > 5
+    with pytest.raises(anthropic.NotFoundError) as e:
+        through.messages.create(**{**ask, "model": "no-such-model"})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_the_route_table_names_every_route_the_engine_serves(appliance: RunningAppliance):
+    """docs/http-api.md's table against the engine's own OpenAPI document: a route a new vLLM adds, or one
+    it drops, fails here until the table says what the appliance does with it."""
+    from tests.unit.project.test_engine_route_table import engine_route_table
+
+    spec = appliance.engine_get("/openapi.json", timeout=10,
+                                headers={"Authorization": f"Bearer {_engine_key(appliance)}"}).json()
+    engine = {(method.upper(), path) for path, methods in spec["paths"].items() for method in methods}
+    table = set(engine_route_table())
+    assert sorted(engine - table) == [] and sorted(table - engine) == []
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _weather_args(arguments: str) -> dict:
+    """The arguments as the tool's schema asks: a JSON object with a string city (not a JSON string)."""
+    args = json.loads(arguments)
+    assert isinstance(args, dict) and isinstance(args.get("city"), str) and args["city"], arguments
+    return args
+
+
+def test_tool_calls_answer_as_the_engine_does_with_arguments_the_schema_allows(oai: openai.OpenAI,
+                                                                               appliance: RunningAppliance):
+    """The plan's tool parser on the real engine (the default model: named and required through structured
+    output): a named choice, required, a named choice streamed (the SDK's deltas assembled), a function call
+    through the Responses API, and the turn after a tool's result, through the appliance and straight to
+    the engine. auto, which this model's template cannot serve, is refused through the appliance with what
+    works, where the engine would silently answer as if no tools were given."""
+    plan = loopback.get(f"{appliance.url}/v1/appliance/plan").json()
+    assert plan["tools"]["tool_call_parser"] and plan["tools"]["auto_tool_choice"] is False
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    seen: list[list] = []
+    for client in (oai, _straight_oai(appliance)):
+        calls = []
+        for choice in (named, "required"):
+            r = client.chat.completions.create(model=appliance.served_name, messages=ASK_WEATHER, tools=[WEATHER],
+                                               tool_choice=choice, max_tokens=48, temperature=0)
+            (call,) = r.choices[0].message.tool_calls
+            calls.append((call.function.name, _weather_args(call.function.arguments)))
+        args, names = "", set()
+        for chunk in client.chat.completions.create(model=appliance.served_name, messages=ASK_WEATHER,
+                                                    tools=[WEATHER], tool_choice=named, max_tokens=48,
+                                                    temperature=0, stream=True):
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                args += d.function.arguments or "" if d.function else ""
+                names |= {d.function.name} if d.function and d.function.name else set()
+        calls.append((names, _weather_args(args)))
+        r = client.responses.create(model=appliance.served_name, input="What is the weather in Paris?",
+                                    tools=[{"type": "function", **WEATHER["function"]}], tool_choice="required",
+                                    max_output_tokens=48, temperature=0)
+        (fc,) = [o for o in r.output if o.type == "function_call"]
+        calls.append((fc.name, _weather_args(fc.arguments)))
+        after = client.chat.completions.create(
+            model=appliance.served_name, tools=[WEATHER], max_tokens=24, temperature=0, messages=[
+                *ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+        calls.append(bool(after.choices[0].message.content.strip()))
+        seen.append(calls)
+    assert seen[0] == seen[1], seen
+    assert seen[0][0][0] == seen[0][1][0] == seen[0][3][0] == "get_weather" and seen[0][2][0] == {"get_weather"}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=appliance.served_name, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=8)
+    assert e.value.body["code"] == "tool_choice_unsupported" and e.value.body["param"] == "tool_choice"
+    straight = _straight_oai(appliance).chat.completions.create(model=appliance.served_name, messages=ASK_WEATHER,
+                                                                tools=[WEATHER], max_tokens=8, temperature=0)
+    assert not straight.choices[0].message.tool_calls  # what auto would have silently given

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from appliance.api.dialects import COMPLETIONS
 from appliance.boot.assembly import build
 from appliance.boot.config import load
 from appliance.boot.planning import plan_for_config
@@ -90,7 +91,7 @@ def test_decayed_speculation_is_only_reported_unless_configured(tmp_path: Path):
 
 def _answering(daemon):
     """A request the local engine is answering, as the gateway holds one."""
-    ex = daemon.gateway.exchanges.open("req-1", "/v1/completions", "silver", None)
+    ex = daemon.gateway.exchanges.open("req-1", COMPLETIONS, "silver", None)
     ex.hold(None)
     return ex
 

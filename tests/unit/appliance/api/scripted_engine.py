@@ -83,7 +83,9 @@ class ScriptedEngine:
         except httpx.ResponseNotRead:
             whole = None
         ctype = response.headers.get("content-type", "application/json")
-        writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n" % (
+        # Connection: close, so the gateway's pooled httpx client keeps no connection: the in-process tests
+        # run each call in its own event loop (asyncio.run), and a connection from a closed loop breaks.
+        writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\nconnection: close\r\n" % (
             response.status_code, response.reason_phrase.encode(), ctype.encode()))
         if whole is not None:
             writer.write(b"content-length: %d\r\n\r\n%s" % (len(whole), whole))

@@ -14,6 +14,7 @@ import pytest
 
 from appliance.api import exchange
 from appliance.api.admission import AdmissionConfig, AdmissionGate, ClassPolicy
+from appliance.api.dialects import COMPLETIONS
 from tests.unit.appliance.api.inprocess import serving
 
 
@@ -82,7 +83,7 @@ def test_every_ending_closes_the_exchange_once(tmp_path, case, monkeypatch):
 def test_closing_twice_records_once():
     log = mock.Mock(keep_text=False)
     exchanges = exchange.Exchanges(log, None, None)
-    ex = exchanges.open("r", "/v1/completions", "silver", None)
+    ex = exchanges.open("r", COMPLETIONS, "silver", None)
     ex.hold(None)
     ex.close(200)
     ex.close(502, "engine_stream_broken")

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from appliance.api.dialects import COMPLETIONS
 from appliance.api.errors import ApiError
 from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.relay import EventFilter, StreamJudge
@@ -19,7 +20,7 @@ def _event(data: dict) -> bytes:
 
 
 def _exchange(keep_text: bool = False) -> Exchange:
-    ex = Exchanges(None, None, None).open("r1", "/v1/completions", "silver", None)
+    ex = Exchanges(None, None, None).open("r1", COMPLETIONS, "silver", None)
     ex.rec.model, ex.rec.stream, ex.rec.status = "m", True, 200
     ex.rec.prompt = "hi" if keep_text else None
     return ex
