@@ -234,3 +234,21 @@ def test_auto_tool_choice_is_refused_where_the_plan_says_the_model_is_not_shown_
     assert [r.json()["error"].get("code") for r in refused[:3]] == ["tool_choice_unsupported"] * 3
     assert refused[3].json()["type"] == "error" and "tool_choice" in refused[3].json()["error"]["message"]
     assert [r.status_code for r in passed] == [200] * 3 and len(engine.seen) == 3
+
+
+def test_a_revoked_key_is_refused_on_every_new_route(tmp_path):
+    from tests.unit.appliance.api.inprocess import call, gateway
+
+    made = gateway(tmp_path, required=True)
+    key, secret = keys.create(made.cfg.database_path, "app")
+    keys.revoke(made.cfg.database_path, key.id)
+    routes = [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/v1/models/m")]
+    try:
+        answers = {path: call(made.app, method, path, key=secret, json={"model": "m"}) for method, path in routes}
+        messages = call(made.app, "POST", "/v1/messages", key=secret, header="x-api-key", json={"model": "m"})
+    finally:
+        made.log.close()
+    assert {p: r.status_code for p, r in answers.items()} == {p: 401 for _, p in routes}
+    assert messages.status_code == 401 and messages.json()["error"]["type"] == "authentication_error"
