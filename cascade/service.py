@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cascade import policy, signals
+from cascade.budget import Budgets
 from cascade.delivery import RetryPolicy, deliver
 from cascade.forwarder import Forwarder
 from cascade.outbox import Escalation, Outbox, OutboxFull
@@ -46,13 +47,14 @@ def regional_body(request: dict[str, Any], regional_model: str, keep_model: bool
 class Cascade:
     def __init__(self, cfg: policy.PolicyConfig, outbox: Outbox, client: RegionalClient | None,
                  forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE,
-                 retry: RetryPolicy = RetryPolicy()) -> None:
+                 retry: RetryPolicy = RetryPolicy(), budgets: Budgets | None = None) -> None:
         self.cfg = cfg
         self.outbox = outbox
         self.client = client
         self.forwarder = forwarder
         self.retry = retry  # the forwarder's own: one policy for every send
         self.quantile = quantile
+        self.budgets = budgets or Budgets(None)  # the escalation budget per route and tenant (cascade.budget)
         self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
 
     # -- decisions (pure, delegated) ---------------------------------------------------------------
@@ -60,9 +62,25 @@ class Cascade:
     def decide(self, facts: policy.RequestFacts) -> policy.Decision:
         return policy.decide(self.cfg, facts)
 
-    def judge(self, tl: signals.TokenLogprobs) -> tuple[bool, str]:
-        """Escalate this local answer? And why, in words for the response's headers and the log."""
-        return policy.judge(self.cfg.thresholds, signals.compute(tl, self.quantile))
+    def judge(self, tl: signals.TokenLogprobs, route: str = "/v1/chat/completions",
+              tenant: str | None = None) -> tuple[bool, str]:
+        """Escalate this local answer? And why, in words for the response's headers and the log. With an
+        escalation budget for this route and tenant, the threshold is the budget's (cascade.budget) once it
+        has warmed up; the fixed thresholds otherwise."""
+        s = signals.compute(tl, self.quantile)
+        threshold, tracker = self.budgets.threshold(route, tenant)
+        if tracker is None or s is None:
+            return policy.judge(self.cfg.thresholds, s)
+        value = s.quantile_logprob
+        if threshold is None:
+            escalate, why = policy.judge(self.cfg.thresholds, s)
+            why = f"{why} (fixed threshold: the budget has {len(tracker.values)} of {tracker.cfg.warmup} answers)"
+        else:
+            escalate = value < threshold
+            why = (f"quantile_logprob {value:.3f} {'is below' if escalate else 'is not below'} the budget's "
+                   f"threshold {threshold:.3f} (escalating {tracker.cfg.share:.0%} of this route's answers)")
+        tracker.record(value, escalate)
+        return escalate, why
 
     def serves_regionally(self, model: str) -> bool:
         return self.cfg.regional_enabled and model in self.cfg.regional_models
@@ -126,7 +144,7 @@ class Cascade:
         """Counts, outbox depth and age, link and breaker: for /v1/appliance/status and the metrics. No
         I/O: the outbox serves the counts its writers left (Outbox.stats)."""
         return {"configured": True, "requests": dict(self.counts), "outbox": self.outbox.stats(),
-                "link": self.link_state()}
+                "link": self.link_state(), "budget": self.budgets.status()}
 
     async def aclose(self) -> None:
         if self.client is not None:

@@ -87,7 +87,7 @@ class Routing:
             data = json.loads(content)
         except ValueError:
             return ex.answered(200, content, headers)
-        escalate, why = self.cascade.judge(signals.from_response(data))
+        escalate, why = self.cascade.judge(signals.from_response(data), ex.route, ex.tenant)
         if not ex.client_wants_logprobs:
             answers.hide_logprobs(data)
         local = json.dumps(data).encode()
@@ -106,7 +106,7 @@ class Routing:
         """Auto policy, streamed: the answer is judged when it is complete, before its [DONE]."""
         async def after(tl: signals.TokenLogprobs) -> bytes:
             assert self.cascade is not None
-            escalate, why = self.cascade.judge(tl)
+            escalate, why = self.cascade.judge(tl, ex.route, ex.tenant)
             if not escalate:
                 return b""
             # The answer has been streamed already: the escalation is queued (async) whatever the mode.

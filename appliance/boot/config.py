@@ -261,10 +261,15 @@ class ThresholdsSection(_Section):
         description="Which quantile quantile_logprob takes.")
 
 
+Share = Annotated[float, Field(gt=0, lt=1)]
+
+
 class TenantSection(_Section):
     escalate: Escalate | None = Field(default=None, description="This tenant's policy; unset: [policy] escalate.")
     mode: Mode | None = Field(default=None, description="This tenant's mode; unset: [policy] mode.")
     local_only: bool = Field(default=False, description="This tenant's data never leaves the site.")
+    escalation_share: Share | None = Field(default=None,
+        description="This tenant's escalation budget under auto; unset: [policy] escalation_share.")
 
 
 class PolicySection(_Section):
@@ -274,6 +279,14 @@ class PolicySection(_Section):
     mode: Mode = Field(default="async",
         description="Default escalation mode; per request: X-Appliance-Escalation-Mode.")
     thresholds: ThresholdsSection = Field(default_factory=ThresholdsSection)
+    escalation_share: Share | None = Field(default=None,
+        description="Under auto, escalate this share of judged answers (per route and tenant): the threshold "
+                    "follows the quantile_logprob of the last budget_window answers instead of staying fixed. "
+                    "Unset: the fixed thresholds.")
+    budget_window: Annotated[int, Field(ge=10, le=100_000)] = Field(default=500,
+        description="Judged answers per route and tenant the budget's threshold is read over.")
+    budget_warmup: Annotated[int, Field(ge=1)] = Field(default=50,
+        description="Judged answers before the budget's threshold replaces the fixed one.")
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
     outbox_max_pending: Annotated[int, Field(ge=1)] = Field(default=50_000,
         description="Waiting escalations; at the bound new ones are refused and the local answer kept.")

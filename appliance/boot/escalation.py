@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from appliance.boot.config import Config
 from appliance.ops.metrics import Metrics
+from cascade.budget import BudgetConfig, Budgets
 from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders
@@ -56,6 +57,17 @@ def open_outbox(cfg: Config) -> Outbox:
                   max_age_s=cfg.policy.outbox_max_age_s)
 
 
+def budgets(cfg: Config) -> Budgets:
+    """The escalation budget from [policy] escalation_share and each tenant's own (cascade.budget)."""
+    p = cfg.policy
+
+    def budget(share: float | None) -> BudgetConfig | None:
+        return None if share is None else BudgetConfig(share, p.budget_window, min(p.budget_warmup, p.budget_window))
+
+    return Budgets(budget(p.escalation_share),
+                   {name: b for name, t in p.tenants.items() if (b := budget(t.escalation_share)) is not None})
+
+
 def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = None) -> Cascade | None:
     """None when no regional endpoint is configured: then every request is answered locally, at no cost."""
     if not cfg.regional.enabled:
@@ -67,7 +79,7 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
                           poll_s=cfg.regional.forward_poll_s, retry=retry,
                           on_result=metrics.observe_forward if metrics else (lambda outcome: None))
     cascade = Cascade(policy_config(cfg, local_context), outbox, client, forwarder,
-                      quantile=cfg.policy.thresholds.quantile, retry=retry)
+                      quantile=cfg.policy.thresholds.quantile, retry=retry, budgets=budgets(cfg))
     if metrics is not None:
         metrics.attach_cascade(cascade.status)
     return cascade

@@ -83,6 +83,22 @@ class _CascadeFigures:
         for state in ("closed", "open", "half_open"):
             breaker.add_metric([state], 1.0 if link.get("breaker") == state else 0.0)
         yield breaker
+        yield from _budget_figures(st.get("budget") or [])
+
+
+def _budget_figures(budgets: list[dict[str, Any]]) -> Iterable[Metric]:
+    """The escalation budget per route and tenant: its target, the share it held, the threshold in force."""
+    names = ("appliance_escalation_budget_target", "appliance_escalation_budget_share",
+             "appliance_escalation_budget_threshold")
+    helps = ("Share of judged answers the budget escalates", "Share of the window's judged answers escalated",
+             "quantile_logprob threshold in force (absent while the budget warms up)")
+    families = [GaugeMetricFamily(n, h, labels=["route", "tenant"]) for n, h in zip(names, helps, strict=True)]
+    for b in budgets:
+        labels = [b["route"], b["tenant"] or ""]
+        for family, value in zip(families, (b["target"], b["share"], b["threshold"]), strict=True):
+            if value is not None:
+                family.add_metric(labels, value)
+    yield from families
 
 
 class Metrics:

@@ -57,3 +57,22 @@ def test_broken_framing_and_stalled_clients_get_an_answer_in_time(fuzzed):
         problems[:15])
     assert loopback.get(f"{fuzzed.url}/readyz", timeout=10).status_code == 200
     assert not daemon_tracebacks(fuzzed.log_text())
+
+
+def test_the_class_limit_holds_on_the_responses_and_messages_routes(fuzzed):
+    """The fuzzed appliance's callers are bronze, limited to LIMITS.max_tokens: on the real engine a response
+    left without max_output_tokens stops within it, and asking for more is refused in each API's shape."""
+    from tests import loopback
+
+    url, model = fuzzed.url, fuzzed.served_name
+    r = loopback.post(f"{url}/v1/responses", timeout=120, json={"model": model, "input": "Count to fifty."})
+    assert r.status_code == 200 and 1 <= r.json()["usage"]["output_tokens"] <= LIMITS.max_tokens, r.text
+    over = loopback.post(f"{url}/v1/responses", timeout=60,
+                         json={"model": model, "input": "hi", "max_output_tokens": LIMITS.max_tokens + 1})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "max_tokens_over_class_limit"
+    msg = {"model": model, "messages": [{"role": "user", "content": "Count to fifty."}]}
+    ok = loopback.post(f"{url}/v1/messages", timeout=120, json={**msg, "max_tokens": LIMITS.max_tokens})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] <= LIMITS.max_tokens, ok.text
+    refused = loopback.post(f"{url}/v1/messages", timeout=60, json={**msg, "max_tokens": LIMITS.max_tokens + 1})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "bronze class limit" in refused.json()["error"]["message"]
