@@ -51,7 +51,7 @@ def test_the_fixed_threshold_stands_until_the_budget_has_warmed_up(tmp_path):
     assert all(not e and "fixed threshold" in why for e, why in early)
     assert cascade.budgets.status()[0]["warming_up"] and cascade.budgets.status()[0]["threshold"] is None
     assert cascade.judge(_answer(-2.0))[0]  # below -1.6: the fixed threshold still decides this one
-    escalate, why = cascade.judge(_answer(-1.5))  # the eleventh: the budget's threshold (the window's 20%)
+    _, why = cascade.judge(_answer(-1.5))  # the eleventh: the budget's threshold (the window's 20%)
     assert "budget's threshold" in why
 
 
