@@ -33,6 +33,7 @@ from typing import Any, Literal, get_args
 
 import sqlite_utils
 
+from cascade.labels import agreement, answer_text
 from cascade.policy import PRIORITY_CLASSES
 
 Status = Literal["queued", "sending", "done", "failed", "expired"]
@@ -89,9 +90,14 @@ def _row(r: dict[str, Any]) -> Escalation:
     )
 
 
+LABELS_MAX_ROWS = 100_000
+LABELS_MAX_AGE_S = 90 * 86400.0
+
+
 class Outbox:
     def __init__(self, path: Path, max_pending: int = 50_000, max_age_s: float = 7 * 86400,
-                 clock=time.time) -> None:
+                 clock=time.time, keep_label_text: bool = False, labels_max_rows: int = LABELS_MAX_ROWS,
+                 labels_max_age_s: float = LABELS_MAX_AGE_S) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, check_same_thread=False, timeout=10, isolation_level=None)
         self.db = sqlite_utils.Database(conn)
@@ -102,6 +108,10 @@ class Outbox:
         self.max_pending = max_pending
         self.max_age_s = max_age_s
         self.clock = clock
+        # Labels (cascade.labels): their texts only where the site keeps texts (state.log_prompts); the
+        # signals and the agreement always. Bounded in rows and age.
+        self.keep_label_text = keep_label_text
+        self.labels_max_rows, self.labels_max_age_s = labels_max_rows, labels_max_age_s
         self._create()
         # What stats() serves: replaced whole after every write here, read without the lock. Writes by
         # another process (`appliance escalations retry`) show after the next write here; the forwarder
@@ -115,6 +125,17 @@ class Outbox:
                       "tenant": str, "key_id": str, "reason": str, "attempts": int, "next_attempt": float,
                       "last_error": str, "answer": str, "delivered": float, "sends": int}, pk="id")
             t.create_index(["status", "priority", "created"])
+        # The judged local answer an escalation was made from, until its regional answer labels it (an
+        # outbox from before labels gains the columns).
+        for column in ("local_answer", "local_signals"):
+            if column not in t.columns_dict:
+                t.add_column(column, str)
+        labels = self.db.table("labels")
+        if not labels.exists():
+            labels.create({"esc_id": str, "ts": float, "route": str, "tenant": str, "signals": str, "exact": int,
+                           "contained": int, "f1": float, "chosen": int, "agree": int, "local_answer": str,
+                           "regional_answer": str}, pk="esc_id")
+            labels.create_index(["ts"])
 
     def close(self) -> None:
         self.db.conn.close()
@@ -137,13 +158,17 @@ class Outbox:
     # -- writing --------------------------------------------------------------------------------
 
     def put(self, route: str, request: dict[str, Any], *, priority_class: str = "silver", tenant: str | None = None,
-            key_id: str | None = None, reason: str = "") -> Escalation:
-        """Store a new escalation durably; OutboxFull when max_pending are already waiting."""
+            key_id: str | None = None, reason: str = "", local_answer: str | None = None,
+            local_signals: dict[str, Any] | None = None) -> Escalation:
+        """Store a new escalation durably; OutboxFull when max_pending are already waiting. A judged local
+        answer (its text and signals) is kept with it until the regional answer labels it."""
         now = self.clock()
         row = {"id": new_id(), "created": now, "status": "queued", "route": route,
                "request": json.dumps(request), "priority": PRIORITY.get(priority_class, 1), "tenant": tenant,
                "key_id": key_id, "reason": reason, "attempts": 0, "next_attempt": now, "last_error": None,
-               "answer": None, "delivered": None, "sends": 0}
+               "answer": None, "delivered": None, "sends": 0,
+               "local_answer": local_answer if local_signals is not None else None,
+               "local_signals": json.dumps(local_signals) if local_signals is not None else None}
         with self._writing():
             if self._pending() >= self.max_pending:
                 raise OutboxFull(f"the escalation outbox holds {self.max_pending} waiting escalations "
@@ -167,9 +192,39 @@ class Outbox:
             self.db.execute("UPDATE escalations SET status='sending', sends=sends+1 WHERE id=?", [esc_id])
 
     def done(self, esc_id: str, answer: dict[str, Any]) -> None:
+        """Delivered: the answer kept, and when the escalation came from a judged local answer, the two
+        compared and the label written in the same transaction (whichever path delivered it)."""
         with self._writing():
-            self.db.execute("UPDATE escalations SET status='done', answer=?, delivered=?, last_error=NULL "
-                            "WHERE id=? AND status!='done'", [json.dumps(answer), self.clock(), esc_id])
+            changed = self.db.execute("UPDATE escalations SET status='done', answer=?, delivered=?, last_error=NULL "
+                                      "WHERE id=? AND status!='done'", [json.dumps(answer), self.clock(), esc_id])
+            if changed.rowcount:
+                self._label(esc_id, answer)
+
+    def _label(self, esc_id: str, answer: dict[str, Any]) -> None:
+        row = self.db.execute("SELECT route, tenant, local_answer, local_signals FROM escalations WHERE id=?",
+                              [esc_id]).fetchone()
+        if row is None or row[3] is None:
+            return
+        route, tenant, local, signals = row
+        regional = answer_text(answer)
+        a = agreement(local or "", regional)
+        keep = self.keep_label_text
+        self.db.table("labels").insert({
+            "esc_id": esc_id, "ts": self.clock(), "route": route, "tenant": tenant, "signals": signals,
+            "exact": int(a.exact), "contained": int(a.contained), "f1": a.f1,
+            "chosen": None if a.chosen is None else int(a.chosen), "agree": int(a.agree),
+            "local_answer": local if keep else None, "regional_answer": regional if keep else None}, replace=True)
+        # The local text served its purpose: it leaves the escalation row with the label written.
+        self.db.execute("UPDATE escalations SET local_answer=NULL WHERE id=?", [esc_id])
+        self.db.execute("DELETE FROM labels WHERE ts<?", [self.clock() - self.labels_max_age_s])
+        self.db.execute("DELETE FROM labels WHERE esc_id IN (SELECT esc_id FROM labels ORDER BY ts DESC "
+                        "LIMIT -1 OFFSET ?)", [self.labels_max_rows])
+
+    def labels(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The newest labels: route, tenant, the local answer's signals, the agreement (texts where kept)."""
+        with self._lock:
+            rows = list(self.db.query("SELECT * FROM labels ORDER BY ts DESC LIMIT ?", [limit]))
+        return [{**r, "signals": json.loads(r["signals"])} for r in rows]
 
     def release(self, esc_id: str, error: str, retry_in_s: float = 0.0, counts: bool = False,
                 max_attempts: int | None = None) -> Status:

@@ -7,6 +7,7 @@ escalation (always written to the outbox first) and, in sync mode, send it at on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class Cascade:
     def decide(self, facts: policy.RequestFacts) -> policy.Decision:
         return policy.decide(self.cfg, facts)
 
+    def signals_of(self, tl: signals.TokenLogprobs) -> signals.Signals | None:
+        return signals.compute(tl, self.quantile)
+
     def judge(self, tl: signals.TokenLogprobs, route: str = "/v1/chat/completions",
               tenant: str | None = None) -> tuple[bool, str]:
         """Escalate this local answer? And why, in words for the response's headers and the log. With an
@@ -96,14 +100,18 @@ class Cascade:
     # -- escalating --------------------------------------------------------------------------------
 
     async def escalate(self, route: str, request: dict[str, Any], *, sync: bool, priority_class: str,
-                       tenant: str | None, key_id: str | None, reason: str,
-                       keep_model: bool = False) -> EscalationResult:
+                       tenant: str | None, key_id: str | None, reason: str, keep_model: bool = False,
+                       judged: tuple[str, signals.Signals | None] | None = None) -> EscalationResult:
         """Store the escalation durably, then send it now (sync, while the link is usable) or leave it to
-        the forwarder. A sync send that fails over the link leaves the row queued for the forwarder."""
+        the forwarder. A sync send that fails over the link leaves the row queued for the forwarder.
+        `judged`: the local answer's text and signals when a judge escalated it, kept for the label its
+        regional answer makes (cascade.labels)."""
         body = regional_body(request, self.cfg.regional_model, keep_model)
+        local_answer, local_signals = (judged[0], dataclasses.asdict(judged[1])) if judged and judged[1] else (None, None)
         try:
             esc = await asyncio.to_thread(self.outbox.put, route, body, priority_class=priority_class,
-                                          tenant=tenant, key_id=key_id, reason=reason)
+                                          tenant=tenant, key_id=key_id, reason=reason, local_answer=local_answer,
+                                          local_signals=local_signals)
         except OutboxFull as e:
             self.counts["outbox_full"] += 1
             log.warning("escalation refused: %s", e)

@@ -37,6 +37,7 @@ class StreamJudge:
     hide: bool  # the client did not ask for log-probabilities: remove them from every chunk
     after: Callable[[signals.TokenLogprobs], Awaitable[bytes]]  # what to add before [DONE], given the answer
     acc: signals.StreamAccumulator = field(default_factory=signals.StreamAccumulator)
+    texts: list[str] = field(default_factory=list)  # the answer's text, for the label an escalation makes
 
 
 def refused_at_start(first: bytes) -> tuple[int, bytes] | None:
@@ -144,6 +145,7 @@ def inspect_events(ready: bytes, rec: RequestRecord, strip_usage: bool, texts: l
                         texts.append(dialect.text_of(data, True))
                     if judge is not None:
                         judge.acc.add_chunk(data)
+                        judge.texts.append(dialect.text_of(data, True))
                         if judge.hide:
                             answers.hide_logprobs(data)
                             event = event[:at] + b"data: " + json.dumps(data).encode()

@@ -50,11 +50,12 @@ class Routing:
     def link_usable(self) -> bool:
         return self.cascade is not None and self.cascade.link_usable
 
-    async def escalate(self, ex: Exchange, sync: bool, reason: str) -> EscalationResult:
+    async def escalate(self, ex: Exchange, sync: bool, reason: str,
+                       judged: tuple[str, signals.Signals | None] | None = None) -> EscalationResult:
         assert self.cascade is not None
         return await self.cascade.escalate(
             ex.route, ex.original, sync=sync, priority_class=ex.cls, tenant=ex.tenant, key_id=ex.rec.key_id,
-            reason=reason, keep_model=ex.rec.model != self.served_name)
+            reason=reason, keep_model=ex.rec.model != self.served_name, judged=judged)
 
     async def answer_regionally(self, ex: Exchange, fallback_local: bool) -> Response | None:
         """Sync escalation: the regional answer when the link delivers it; else None when the local engine
@@ -87,7 +88,9 @@ class Routing:
             data = json.loads(content)
         except ValueError:
             return ex.answered(200, content, headers)
-        escalate, why = self.cascade.judge(signals.from_response(data), ex.route, ex.tenant)
+        tl = signals.from_response(data)
+        escalate, why = self.cascade.judge(tl, ex.route, ex.tenant)
+        judged = (ex.dialect.text_of(data, False), self.cascade.signals_of(tl))
         if not ex.client_wants_logprobs:
             answers.hide_logprobs(data)
         local = json.dumps(data).encode()
@@ -95,7 +98,8 @@ class Routing:
             headers[answers.ESCALATION] = "none"
             headers[answers.ESCALATION_REASON] = why
             return ex.answered(200, local, headers)
-        result = await self.escalate(ex, sync=ex.decision.mode == "sync", reason=f"low confidence: {why}")
+        result = await self.escalate(ex, sync=ex.decision.mode == "sync", reason=f"low confidence: {why}",
+                                     judged=judged)
         if result.outcome == "answered" and result.answer is not None:
             headers.update(answers.headers_for(result, f"low confidence: {why}", "regional"))
             return ex.answered(200, json.dumps(result.answer.body).encode(), headers)
@@ -110,9 +114,11 @@ class Routing:
             if not escalate:
                 return b""
             # The answer has been streamed already: the escalation is queued (async) whatever the mode.
-            result = await self.escalate(ex, sync=False, reason=f"low confidence: {why}")
+            result = await self.escalate(ex, sync=False, reason=f"low confidence: {why}",
+                                         judged=("".join(judge.texts), self.cascade.signals_of(tl)))
             if result.id:
                 return answers.sse_comment(f"appliance-escalation-id={result.id} reason={why}")
             return answers.sse_comment(f"appliance-escalation={result.outcome} reason={why}")
 
-        return StreamJudge(hide=not ex.client_wants_logprobs, after=after)
+        judge = StreamJudge(hide=not ex.client_wants_logprobs, after=after)
+        return judge

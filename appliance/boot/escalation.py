@@ -54,7 +54,7 @@ def gateway_headers(cfg: Config) -> GatewayHeaders:
 
 def open_outbox(cfg: Config) -> Outbox:
     return Outbox(cfg.state.directory / OUTBOX_FILE, max_pending=cfg.policy.outbox_max_pending,
-                  max_age_s=cfg.policy.outbox_max_age_s)
+                  max_age_s=cfg.policy.outbox_max_age_s, keep_label_text=cfg.state.log_prompts)
 
 
 def budgets(cfg: Config) -> Budgets:

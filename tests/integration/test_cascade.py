@@ -303,6 +303,15 @@ def test_auto_with_sync_answers_a_doubtful_request_from_the_regional_cluster(sit
     esc_id = r.headers["x-appliance-escalation-id"]
     assert site.recorder.delivery_problems({esc_id: doubt}, since) == []  # the confident one never arrived
     assert site.recorder.bodies_with(doubt)[0].get("logprobs") is None  # the client's request, not the judge's
+    # The ledger (issue 34): the doubtful local answer and the regional one it was replaced by, compared and
+    # kept with the local answer's signals; no text, as this site does not keep texts
+    import sqlite3
+
+    outbox = site.edge.database.parent / "outbox.db"
+    with sqlite3.connect(f"file:{outbox}?mode=ro", uri=True) as c:
+        label = c.execute("SELECT signals, agree, local_answer FROM labels WHERE esc_id=?", [esc_id]).fetchone()
+    assert label is not None and json.loads(label[0])["quantile_logprob"] < 0 and label[1] in (0, 1)
+    assert label[2] is None
 
 
 def test_auto_stream_names_the_escalation_in_a_comment_and_hides_logprobs(site: Site):

@@ -311,5 +311,8 @@ def test_a_judged_stream_holds_its_done_until_the_judge_has_queued_the_escalatio
         comment = body.rsplit(b"\n\n", 3)[-3]
         assert comment.startswith(b": appliance-escalation-id="), body[-300:]
         assert box.stats()["depth"] == 1
+        # kept with the escalation for the label its regional answer will make (cascade.labels)
+        local, signals = box.db.execute("SELECT local_answer, local_signals FROM escalations").fetchone()
+        assert local == "xxxx" and json.loads(signals)["quantile_logprob"] == -9.0
         assert logged(db) == [(200, None, 7)]
     assert spliced.call_count == 1
