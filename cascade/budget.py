@@ -87,6 +87,10 @@ class Budgets:
             tracker = self._trackers[key] = Tracker(cfg)
         return tracker.threshold(), tracker
 
+    def reset(self) -> None:
+        """Every window starts afresh (what the budget ranks by has changed scale)."""
+        self._trackers.clear()
+
     def status(self) -> list[dict[str, Any]]:
         return [{"route": route, "tenant": tenant or None, "target": t.cfg.share, "share": t.share_held,
                  "threshold": t.threshold(), "judged": len(t.values), "warming_up": t.threshold() is None}

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from cascade import policy, signals
 from cascade.budget import Budgets
+from cascade.calibrator import MAX_ROWS, Calibrator
 from cascade.delivery import RetryPolicy, deliver
 from cascade.forwarder import Forwarder
 from cascade.outbox import Escalation, Outbox, OutboxFull
@@ -48,7 +49,8 @@ def regional_body(request: dict[str, Any], regional_model: str, keep_model: bool
 class Cascade:
     def __init__(self, cfg: policy.PolicyConfig, outbox: Outbox, client: RegionalClient | None,
                  forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE,
-                 retry: RetryPolicy = RetryPolicy(), budgets: Budgets | None = None) -> None:
+                 retry: RetryPolicy = RetryPolicy(), budgets: Budgets | None = None,
+                 calibrator: Calibrator | None = None, calibrate_every_s: float = 3600.0) -> None:
         self.cfg = cfg
         self.outbox = outbox
         self.client = client
@@ -56,6 +58,10 @@ class Cascade:
         self.retry = retry  # the forwarder's own: one policy for every send
         self.quantile = quantile
         self.budgets = budgets or Budgets(None)  # the escalation budget per route and tenant (cascade.budget)
+        # Learned from the outbox's labels (cascade.calibrator): ranks answers for the budget while it beats
+        # the single signal on held-out labels. None: off.
+        self.calibrator = calibrator
+        self.calibrate_every_s = calibrate_every_s
         self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
 
     # -- decisions (pure, delegated) ---------------------------------------------------------------
@@ -75,16 +81,38 @@ class Cascade:
         threshold, tracker = self.budgets.threshold(route, tenant)
         if tracker is None or s is None:
             return policy.judge(self.cfg.thresholds, s)
-        value = s.quantile_logprob
+        model = self.calibrator.active if self.calibrator is not None else None
+        # What the budget ranks by, lower more doubtful: the calibrator's score negated, or the signal.
+        value, name = (-model.score(s.as_dict()), f"calibrator v{model.version}") if model else \
+            (s.quantile_logprob, "quantile_logprob")
         if threshold is None:
             escalate, why = policy.judge(self.cfg.thresholds, s)
             why = f"{why} (fixed threshold: the budget has {len(tracker.values)} of {tracker.cfg.warmup} answers)"
         else:
             escalate = value < threshold
-            why = (f"quantile_logprob {value:.3f} {'is below' if escalate else 'is not below'} the budget's "
+            why = (f"{name} {value:.3f} {'is below' if escalate else 'is not below'} the budget's "
                    f"threshold {threshold:.3f} (escalating {tracker.cfg.share:.0%} of this route's answers)")
         tracker.record(value, escalate)
         return escalate, why
+
+    async def calibrate(self) -> bool:
+        """Refit the calibrator on the outbox's labels, in worker threads (a refit never holds a request);
+        when the model in use changes, the budget's windows start afresh (their values were another scale)."""
+        if self.calibrator is None:
+            return False
+        labels = await asyncio.to_thread(self.outbox.labels, MAX_ROWS)
+        changed = await asyncio.to_thread(self.calibrator.refit, labels)
+        if changed:
+            self.budgets.reset()
+        return changed
+
+    async def run_calibration(self) -> None:
+        while True:
+            await asyncio.sleep(self.calibrate_every_s)
+            try:
+                await self.calibrate()
+            except Exception:  # a bad fit is logged and the last model kept; the loop goes on
+                log.exception("calibrator: the refit failed; the model in use stays")
 
     def serves_regionally(self, model: str) -> bool:
         return self.cfg.regional_enabled and model in self.cfg.regional_models
@@ -152,7 +180,8 @@ class Cascade:
         """Counts, outbox depth and age, link and breaker: for /v1/appliance/status and the metrics. No
         I/O: the outbox serves the counts its writers left (Outbox.stats)."""
         return {"configured": True, "requests": dict(self.counts), "outbox": self.outbox.stats(),
-                "link": self.link_state(), "budget": self.budgets.status()}
+                "link": self.link_state(), "budget": self.budgets.status(),
+                "calibrator": self.calibrator.status() if self.calibrator is not None else None}
 
     async def aclose(self) -> None:
         if self.client is not None:

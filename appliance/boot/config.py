@@ -287,6 +287,12 @@ class PolicySection(_Section):
         description="Judged answers per route and tenant the budget's threshold is read over.")
     budget_warmup: Annotated[int, Field(ge=1)] = Field(default=50,
         description="Judged answers before the budget's threshold replaces the fixed one.")
+    calibrate: bool = Field(default=True,
+        description="Learn from the outbox's labels which local answers the regional cluster disagrees with; the "
+                    "budget ranks by the learned score only while it beats quantile_logprob on held-out labels.")
+    calibrate_every_s: Seconds = Field(default=3600.0, description="How often the calibrator is refitted.")
+    calibrate_min_labels: Annotated[int, Field(ge=20)] = Field(default=200,
+        description="Labels a fit needs (30% of them are held out to judge it).")
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
     outbox_max_pending: Annotated[int, Field(ge=1)] = Field(default=50_000,
         description="Waiting escalations; at the bound new ones are refused and the local answer kept.")

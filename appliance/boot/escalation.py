@@ -5,6 +5,7 @@ from __future__ import annotations
 from appliance.boot.config import Config
 from appliance.ops.metrics import Metrics
 from cascade.budget import BudgetConfig, Budgets
+from cascade.calibrator import Calibrator
 from cascade.delivery import RetryPolicy
 from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders
@@ -79,7 +80,9 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
                           poll_s=cfg.regional.forward_poll_s, retry=retry,
                           on_result=metrics.observe_forward if metrics else (lambda outcome: None))
     cascade = Cascade(policy_config(cfg, local_context), outbox, client, forwarder,
-                      quantile=cfg.policy.thresholds.quantile, retry=retry, budgets=budgets(cfg))
+                      quantile=cfg.policy.thresholds.quantile, retry=retry, budgets=budgets(cfg),
+                      calibrator=Calibrator(cfg.policy.calibrate_min_labels) if cfg.policy.calibrate else None,
+                      calibrate_every_s=cfg.policy.calibrate_every_s)
     if metrics is not None:
         metrics.attach_cascade(cascade.status)
     return cascade
