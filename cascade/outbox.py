@@ -97,7 +97,7 @@ LABELS_MAX_AGE_S = 90 * 86400.0
 class Outbox:
     def __init__(self, path: Path, max_pending: int = 50_000, max_age_s: float = 7 * 86400,
                  clock=time.time, keep_label_text: bool = False, labels_max_rows: int = LABELS_MAX_ROWS,
-                 labels_max_age_s: float = LABELS_MAX_AGE_S) -> None:
+                 labels_max_age_s: float = LABELS_MAX_AGE_S, webhook_tenants: Iterable[str | None] = ()) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, check_same_thread=False, timeout=10, isolation_level=None)
         self.db = sqlite_utils.Database(conn)
@@ -112,6 +112,9 @@ class Outbox:
         # signals and the agreement always. Bounded in rows and age.
         self.keep_label_text = keep_label_text
         self.labels_max_rows, self.labels_max_age_s = labels_max_rows, labels_max_age_s
+        # Tenants whose client is told when an escalation's regional answer arrives (cascade.webhooks);
+        # None stands for every tenant without one of its own.
+        self.webhook_tenants = frozenset(webhook_tenants)
         self._create()
         # What stats() serves: replaced whole after every write here, read without the lock. Writes by
         # another process (`appliance escalations retry`) show after the next write here; the forwarder
@@ -136,6 +139,11 @@ class Outbox:
                            "contained": int, "f1": float, "chosen": int, "agree": int, "local_answer": str,
                            "regional_answer": str}, pk="esc_id")
             labels.create_index(["ts"])
+        hooks = self.db.table("webhooks")
+        if not hooks.exists():
+            hooks.create({"esc_id": str, "tenant": str, "status": str, "created": float, "attempts": int,
+                          "next_attempt": float, "last_error": str, "delivered": float, "sends": int}, pk="esc_id")
+            hooks.create_index(["status", "next_attempt"])
 
     def close(self) -> None:
         self.db.conn.close()
@@ -199,6 +207,7 @@ class Outbox:
                                       "WHERE id=? AND status!='done'", [json.dumps(answer), self.clock(), esc_id])
             if changed.rowcount:
                 self._label(esc_id, answer)
+                self._queue_webhook(esc_id)
 
     def _label(self, esc_id: str, answer: dict[str, Any]) -> None:
         row = self.db.execute("SELECT route, tenant, local_answer, local_signals FROM escalations WHERE id=?",
@@ -219,6 +228,68 @@ class Outbox:
         self.db.execute("DELETE FROM labels WHERE ts<?", [self.clock() - self.labels_max_age_s])
         self.db.execute("DELETE FROM labels WHERE esc_id IN (SELECT esc_id FROM labels ORDER BY ts DESC "
                         "LIMIT -1 OFFSET ?)", [self.labels_max_rows])
+
+    def _queue_webhook(self, esc_id: str) -> None:
+        """In done's transaction: the client's webhook is owed a call, durably, like the escalation was."""
+        if not self.webhook_tenants:
+            return
+        (tenant,) = self.db.execute("SELECT tenant FROM escalations WHERE id=?", [esc_id]).fetchone()
+        if tenant in self.webhook_tenants or None in self.webhook_tenants:
+            now = self.clock()
+            self.db.execute("INSERT OR IGNORE INTO webhooks (esc_id, tenant, status, created, attempts, next_attempt, "
+                            "sends) VALUES (?, ?, 'queued', ?, 0, ?, 0)", [esc_id, tenant, now, now])
+
+    def claim_webhooks(self, limit: int) -> list[dict[str, Any]]:
+        """Due webhook calls, oldest first, marked sending: each with its escalation's answer and label."""
+        now = self.clock()
+        with self._writing():
+            ids = [r[0] for r in self.db.execute(
+                "UPDATE webhooks SET status='sending', sends=sends+1 WHERE esc_id IN (SELECT esc_id FROM webhooks "
+                "WHERE status='queued' AND next_attempt<=? ORDER BY created LIMIT ?) RETURNING esc_id",
+                [now, limit]).fetchall()]
+        return [self.webhook_payload(i) for i in ids]
+
+    def webhook_payload(self, esc_id: str) -> dict[str, Any]:
+        with self._lock:
+            hook = next(self.db.query("SELECT * FROM webhooks WHERE esc_id=?", [esc_id]))
+            esc = next(self.db.query("SELECT id, created, delivered, answer, tenant, key_id FROM escalations "
+                                     "WHERE id=?", [esc_id]))
+        return {**hook, "body": {"id": esc["id"], "object": "appliance.escalation", "status": "done",
+                                 "created": esc["created"], "delivered": esc["delivered"],
+                                 "answer": json.loads(esc["answer"]) if esc["answer"] else None,
+                                 "agreement": self.label(esc_id)}}
+
+    def webhook_sent(self, esc_id: str) -> None:
+        with self._writing():
+            self.db.execute("UPDATE webhooks SET status='done', delivered=?, last_error=NULL WHERE esc_id=?",
+                            [self.clock(), esc_id])
+
+    def webhook_failed(self, esc_id: str, error: str, retry_in_s: float | None, counts: bool = True) -> None:
+        """Back to the queue after retry_in_s, or failed for good (None: the receiver refused it). A call
+        that never reached the receiver (counts False) spends no attempt, as an escalation's does not."""
+        with self._writing():
+            if retry_in_s is None:
+                self.db.execute("UPDATE webhooks SET status='failed', attempts=attempts+1, last_error=? "
+                                "WHERE esc_id=?", [error[:500], esc_id])
+            else:
+                self.db.execute("UPDATE webhooks SET status='queued', attempts=attempts+?, last_error=?, "
+                                "next_attempt=? WHERE esc_id=?",
+                                [int(counts), error[:500], self.clock() + retry_in_s, esc_id])
+
+    def recover_webhooks(self) -> int:
+        with self._writing():
+            return self.db.execute("UPDATE webhooks SET status='queued' WHERE status='sending'").rowcount
+
+    def label(self, esc_id: str) -> dict[str, Any] | None:
+        """An escalation's label (the agreement of its regional answer with the local one), if it has one."""
+        with self._lock:
+            rows = list(self.db.query("SELECT agree, exact, contained, f1, chosen FROM labels WHERE esc_id=?",
+                                      [esc_id]))
+        if not rows:
+            return None
+        r = rows[0]
+        return {"agree": bool(r["agree"]), "exact": bool(r["exact"]), "contained": bool(r["contained"]),
+                "f1": r["f1"], "chosen": None if r["chosen"] is None else bool(r["chosen"])}
 
     def labels(self, limit: int = 1000) -> list[dict[str, Any]]:
         """The newest labels: route, tenant, the local answer's signals, the agreement (texts where kept)."""

@@ -86,17 +86,20 @@ class RegionalSettings:
 
 def read_token(path: Path | None) -> str | None:
     """The bearer token; refused when the file is readable by group or others (it is a credential)."""
-    if path is None:
-        return None
+    return None if path is None else read_secret(path, "regional.token_file")
+
+
+def read_secret(path: Path, setting: str) -> str:
+    """A credential from a private file (mode 0600 or stricter, not empty); `setting` names it in errors."""
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
         if mode & 0o077:
-            raise TokenFileError(f"regional.token_file {path} has mode {mode:o}; run `chmod 600 {path}`")
+            raise TokenFileError(f"{setting} {path} has mode {mode:o}; run `chmod 600 {path}`")
         token = path.read_text(encoding="utf-8").strip()
     except OSError as e:
-        raise TokenFileError(f"cannot read regional.token_file {path}: {e.strerror}") from None
+        raise TokenFileError(f"cannot read {setting} {path}: {e.strerror}") from None
     if not token:
-        raise TokenFileError(f"regional.token_file {path} is empty")
+        raise TokenFileError(f"{setting} {path} is empty")
     return token
 
 

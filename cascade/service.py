@@ -20,6 +20,7 @@ from cascade.delivery import RetryPolicy, deliver
 from cascade.forwarder import Forwarder
 from cascade.outbox import Escalation, Outbox, OutboxFull
 from cascade.regional import RegionalAnswer, RegionalClient
+from cascade.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class Cascade:
     def __init__(self, cfg: policy.PolicyConfig, outbox: Outbox, client: RegionalClient | None,
                  forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE,
                  retry: RetryPolicy = RetryPolicy(), budgets: Budgets | None = None,
-                 calibrator: Calibrator | None = None, calibrate_every_s: float = 3600.0) -> None:
+                 calibrator: Calibrator | None = None, calibrate_every_s: float = 3600.0,
+                 webhooks: WebhookSender | None = None) -> None:
         self.cfg = cfg
         self.outbox = outbox
         self.client = client
@@ -62,6 +64,7 @@ class Cascade:
         # the single signal on held-out labels. None: off.
         self.calibrator = calibrator
         self.calibrate_every_s = calibrate_every_s
+        self.webhooks = webhooks  # tells a tenant's client its escalation's regional answer (cascade.webhooks)
         self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
 
     # -- decisions (pure, delegated) ---------------------------------------------------------------
@@ -186,4 +189,6 @@ class Cascade:
     async def aclose(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+        if self.webhooks is not None:
+            await self.webhooks.aclose()
         self.outbox.close()

@@ -203,6 +203,7 @@ def escalation_routes(gateway: Gateway) -> APIRouter:
         owner = _owner_filter(request)
         if esc is None or (owner is not None and esc.key_id != owner):
             raise ApiError(404, f"no escalation with id {esc_id!r}", code="escalation_not_found", param="id")
-        return {**esc.summary(), "answer": esc.answer}
+        label = await asyncio.to_thread(gateway.cascade.outbox.label, esc_id) if gateway.cascade is not None else None
+        return {**esc.summary(), "answer": esc.answer, "agreement": label}
 
     return router

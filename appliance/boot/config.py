@@ -262,6 +262,7 @@ class ThresholdsSection(_Section):
 
 
 Share = Annotated[float, Field(gt=0, lt=1)]
+WebhookUrl = Annotated[str, Field(pattern=r"^https?://[^\s/]+\S*$")]
 
 
 class TenantSection(_Section):
@@ -270,6 +271,17 @@ class TenantSection(_Section):
     local_only: bool = Field(default=False, description="This tenant's data never leaves the site.")
     escalation_share: Share | None = Field(default=None,
         description="This tenant's escalation budget under auto; unset: [policy] escalation_share.")
+    webhook_url: WebhookUrl | None = Field(default=None,
+        description="Called with the regional answer (and its agreement with the local one) once an escalation "
+                    "of this tenant is answered; unset: [policy] webhook_url.")
+    webhook_secret_file: Path | None = Field(default=None,
+        description="The HMAC key webhook calls are signed with (X-Appliance-Signature); mode 0600.")
+
+    @model_validator(mode="after")
+    def _webhook_needs_a_secret(self) -> Any:
+        if self.webhook_url is not None and self.webhook_secret_file is None:
+            raise ValueError("webhook_url needs webhook_secret_file: every call is signed")
+        return self
 
 
 class PolicySection(_Section):
@@ -293,11 +305,22 @@ class PolicySection(_Section):
     calibrate_every_s: Seconds = Field(default=3600.0, description="How often the calibrator is refitted.")
     calibrate_min_labels: Annotated[int, Field(ge=20)] = Field(default=200,
         description="Labels a fit needs (30% of them are held out to judge it).")
+    webhook_url: WebhookUrl | None = Field(default=None,
+        description="Called with the regional answer (and its agreement with the local one) once an escalation "
+                    "is answered, for every tenant without its own; signed with webhook_secret_file.")
+    webhook_secret_file: Path | None = Field(default=None,
+        description="The HMAC key webhook calls are signed with (X-Appliance-Signature); mode 0600.")
     tenants: dict[str, TenantSection] = Field(default_factory=dict)
     outbox_max_pending: Annotated[int, Field(ge=1)] = Field(default=50_000,
         description="Waiting escalations; at the bound new ones are refused and the local answer kept.")
     outbox_max_age_s: Seconds = Field(default=7 * 86400.0,
         description="Queued longer than this: expired, not sent (`appliance escalations retry`).")
+
+    @model_validator(mode="after")
+    def _webhook_needs_a_secret(self) -> Any:
+        if self.webhook_url is not None and self.webhook_secret_file is None:
+            raise ValueError("webhook_url needs webhook_secret_file: every call is signed")
+        return self
 
 
 class AuthSection(_Section):

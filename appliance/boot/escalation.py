@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from appliance.boot.config import Config
 from appliance.ops.metrics import Metrics
 from cascade.budget import BudgetConfig, Budgets
@@ -11,8 +13,9 @@ from cascade.forwarder import Forwarder
 from cascade.gateway_headers import GatewayHeaders
 from cascade.outbox import Outbox
 from cascade.policy import PolicyConfig, TenantPolicy, Thresholds
-from cascade.regional import RegionalClient, RegionalSettings
+from cascade.regional import RegionalClient, RegionalSettings, read_secret
 from cascade.service import Cascade
+from cascade.webhooks import Hook, WebhookSender
 
 OUTBOX_FILE = "outbox.db"
 
@@ -53,9 +56,22 @@ def gateway_headers(cfg: Config) -> GatewayHeaders:
     )
 
 
-def open_outbox(cfg: Config) -> Outbox:
+def open_outbox(cfg: Config, webhook_tenants: Iterable[str | None] = ()) -> Outbox:
     return Outbox(cfg.state.directory / OUTBOX_FILE, max_pending=cfg.policy.outbox_max_pending,
-                  max_age_s=cfg.policy.outbox_max_age_s, keep_label_text=cfg.state.log_prompts)
+                  max_age_s=cfg.policy.outbox_max_age_s, keep_label_text=cfg.state.log_prompts,
+                  webhook_tenants=webhook_tenants)
+
+
+def webhooks(cfg: Config) -> dict[str | None, Hook]:
+    """Tenant -> its webhook (None: the default for the others), secrets read from their private files."""
+    p = cfg.policy
+    out: dict[str | None, Hook] = {}
+    for tenant, url, secret in [(None, p.webhook_url, p.webhook_secret_file),
+                                *((n, t.webhook_url, t.webhook_secret_file) for n, t in p.tenants.items())]:
+        if url is not None and secret is not None:
+            where = "policy" if tenant is None else f"policy.tenants.{tenant}"
+            out[tenant] = Hook(url, read_secret(secret, f"{where}.webhook_secret_file").encode())
+    return out
 
 
 def budgets(cfg: Config) -> Budgets:
@@ -73,7 +89,8 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
     """None when no regional endpoint is configured: then every request is answered locally, at no cost."""
     if not cfg.regional.enabled:
         return None
-    outbox = open_outbox(cfg)
+    hooks = webhooks(cfg)
+    outbox = open_outbox(cfg, hooks)
     client = RegionalClient(regional_settings(cfg))
     retry = RetryPolicy(max_attempts=cfg.regional.max_attempts)
     forwarder = Forwarder(outbox, client, concurrency=cfg.regional.forward_concurrency,
@@ -82,7 +99,8 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
     cascade = Cascade(policy_config(cfg, local_context), outbox, client, forwarder,
                       quantile=cfg.policy.thresholds.quantile, retry=retry, budgets=budgets(cfg),
                       calibrator=Calibrator(cfg.policy.calibrate_min_labels) if cfg.policy.calibrate else None,
-                      calibrate_every_s=cfg.policy.calibrate_every_s)
+                      calibrate_every_s=cfg.policy.calibrate_every_s,
+                      webhooks=WebhookSender(outbox, hooks, retry=retry) if hooks else None)
     if metrics is not None:
         metrics.attach_cascade(cascade.status)
     return cascade

@@ -56,11 +56,12 @@ def _engine_problems(cfg: Config) -> list[str]:
 def _regional_problems(cfg: Config) -> list[str]:
     if not cfg.regional.enabled:
         return []
-    from appliance.boot.escalation import regional_settings
+    from appliance.boot.escalation import regional_settings, webhooks
     from cascade.regional import TLSFileError, TokenFileError, read_token, tls_verify
 
     out = []
-    for check in (lambda: read_token(cfg.regional.token_file), lambda: tls_verify(regional_settings(cfg))):
+    for check in (lambda: read_token(cfg.regional.token_file), lambda: tls_verify(regional_settings(cfg)),
+                  lambda: webhooks(cfg)):
         try:
             check()
         except (TokenFileError, TLSFileError) as e:

@@ -115,6 +115,8 @@ class Daemon:
             background.append(asyncio.create_task(self.cascade.forwarder.run(), name="forwarder"))
         if self.cascade is not None and self.cascade.calibrator is not None:
             background.append(asyncio.create_task(self.cascade.run_calibration(), name="calibrator"))
+        if self.cascade is not None and self.cascade.webhooks is not None:
+            background.append(asyncio.create_task(self.cascade.webhooks.run(), name="webhooks"))
         log.info("API listening on %s (engine loading; /readyz says 503 until it is ready); API keys %s",
                  self.api_url, "required" if self.keys_required else "not required (loopback)")
         serving = asyncio.create_task(server.serve(), name="api")
