@@ -63,6 +63,7 @@ class Result:
     answer: str
     correct: bool
     sig: signals.Signals | None
+    tl: signals.TokenLogprobs | None = None
 
 
 def _table(name: str):
@@ -208,7 +209,8 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, item: Item) -> Re
     r.raise_for_status()
     data = r.json()
     answer = data["choices"][0]["message"]["content"] or ""
-    return Result(item, answer, is_correct(item, answer), signals.compute(signals.from_response(data)))
+    tl = signals.from_response(data)
+    return Result(item, answer, is_correct(item, answer), signals.compute(tl), tl)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -259,10 +261,71 @@ async def run(args: argparse.Namespace) -> None:
         rate, recovered = apply_threshold(test, s, threshold)
         m, lo, hi = random_recovered(test, rate, args.trials, sim)
         print(f"{s:>18} {cut:>9.3f} {rate:>9.1%} {recovered:>13.2f} {m:>14.2f} ({lo:.2f}-{hi:.2f})")
+    budget_report(results, args, sim)
+    calibrator_report(results, args, sim)
     print("\nexamples (task, correct, quantile_logprob, answer):")
     for r in results[:: max(1, len(results) // 8)]:
         q = f"{r.sig.quantile_logprob:.2f}" if r.sig else "-"
         print(f"  {r.item.task:8} {r.correct!s:5} {q:>6}  {r.answer.strip()[:70]!r}")
+
+
+def budget_report(results: list[Result], args: argparse.Namespace, sim: random.Random) -> None:
+    """Each task as one route through the cascade's judge with a budget: the share held after warm-up."""
+    from cascade.budget import BudgetConfig, Budgets
+    from cascade.outbox import Outbox
+    from cascade.policy import PolicyConfig, Thresholds
+    from cascade.service import Cascade
+
+    print(f"\n== escalation budget {args.budget:.0%} (window {args.window}, warm-up {args.warmup}; the fixed "
+          "threshold -1.6 before it), each task's answers in a shuffled order:")
+    print(f"{'task':>10} {'after warm-up':>13} {'escalated':>9} {'target':>6} {'gap recovered':>13} "
+          f"{'random at that share (5-95%)':>29}  goal (within 3 points)")
+    box = Outbox(Path(tempfile.mkdtemp(prefix="bench-budget-")) / "o.db")
+    order = random.Random(args.seed + 3)
+    for task in sorted({r.item.task for r in results}):
+        cascade = Cascade(PolicyConfig(regional_enabled=True, default="auto",
+                                       thresholds=Thresholds(quantile_logprob=-1.6)), box, None, None,
+                          budgets=Budgets(BudgetConfig(args.budget, args.window, args.warmup)))
+        stream = [r for r in results if r.item.task == task]
+        order.shuffle(stream)
+        decided = [(r, cascade.judge(r.tl, route=task)[0] if r.tl is not None else True) for r in stream]
+        after = decided[args.warmup:]
+        share = sum(e for _, e in after) / len(after)
+        wrong = sum(not r.correct for r, _ in after)
+        recovered = sum(not r.correct for r, e in after if e) / wrong if wrong else float("nan")
+        m, lo, hi = random_recovered([r for r, _ in after], share, args.trials, sim)
+        print(f"{task:>10} {len(after):>13} {share:>9.1%} {args.budget:>6.0%} {recovered:>13.2f} "
+              f"{m:>14.2f} ({lo:.2f}-{hi:.2f})  {'met' if abs(share - args.budget) <= 0.03 else 'MISSED'}")
+    box.close()
+
+
+def calibrator_report(results: list[Result], args: argparse.Namespace, sim: random.Random) -> None:
+    """The calibrator fitted on one half's labels, judged on the other: AUROC and the gap at the budget."""
+    from cascade.calibrator import auroc as cal_auroc
+    from cascade.calibrator import fit as fit_calibrator
+
+    fit_half, test = split_halves(list(results), random.Random(args.seed + 4))
+    labels = [{"signals": r.sig.as_dict(), "agree": int(r.correct)} for r in fit_half if r.sig is not None]
+    model = fit_calibrator(labels, 1, min_labels=min(50, len(labels)))
+    print(f"\n== calibrator fitted on {len(labels)} labels (one half), judged on the other ({len(test)} answers):")
+    if isinstance(model, str):
+        print(f"  not fitted: {model}")
+        return
+    print(f"  its own held-out check (30% of the fit half): AUROC {model.auroc_model:.3f} against quantile_logprob's "
+          f"{model.auroc_signal:.3f}: {'in use' if model.in_use else 'not used'}")
+    scored = [r for r in test if r.sig is not None]
+    k = round(args.budget * len(test))
+    wrong = sum(not r.correct for r in test)
+    rows = {"calibrator": lambda r: model.score(r.sig.as_dict())}
+    rows |= {s: (lambda r, s=s: -(getattr(r.sig, s) if getattr(r.sig, s) is not None else 0.0)) for s in SIGNALS}
+    m, lo, hi = random_recovered(test, args.budget, args.trials, sim)
+    print(f"{'ranking':>18} {'AUROC':>6} {'gap at ' + format(args.budget, '.0%'):>10} {'x random':>9}")
+    for name, score in rows.items():
+        a = cal_auroc([score(r) for r in scored if not r.correct], [score(r) for r in scored if r.correct])
+        top = sorted(test, key=lambda r: -score(r) if r.sig is not None else float("-inf"))[:k]
+        gap = sum(not r.correct for r in top) / wrong if wrong else float("nan")
+        print(f"{name:>18} {a:>6.3f} {gap:>10.2f} {gap / m:>9.2f}")
+    print(f"{'random (mean)':>18} {'':>6} {m:>10.2f} {1:>9.2f}   (5-95%: {lo:.2f}-{hi:.2f})")
 
 
 if __name__ == "__main__":
@@ -272,4 +335,7 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trials", type=int, default=2000, help="draws simulating random escalation")
+    ap.add_argument("--budget", type=float, default=0.2, help="the escalation budget's share")
+    ap.add_argument("--window", type=int, default=100, help="the budget's window (answers per task)")
+    ap.add_argument("--warmup", type=int, default=50, help="answers before the budget decides")
     asyncio.run(run(ap.parse_args()))
