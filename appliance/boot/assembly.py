@@ -72,7 +72,7 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
     verifier = KeyVerifier(cfg.database_path)
     app = create_app(gateway, plan=lambda: plan_dict(state.site_plan.plan), verifier=verifier,
                      keys_required=required, status=lambda: status(state, supervisor, cascade),
-                     doctor=lambda: doctor_report(state, supervisor, watch, traffic))
+                     doctor=lambda: doctor_report(state, supervisor, watch, traffic, cascade))
     return Daemon(state=state, request_log=request_log, metrics=metrics, supervisor=supervisor, admission=admission,
                   cascade=cascade, gateway=gateway, engine_watch=watch,
                   remedies=Remedies(state, supervisor, watch, gateway, admission, metrics), verifier=verifier,

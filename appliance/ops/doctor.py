@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -361,3 +361,16 @@ def recipes(samples: Sequence[EngineSample], traffic: Sequence[TrafficSample], *
             grow(samples, traffic, capacity=capacity, escalation_share_max=escalation_share_max,
                  regional_enabled=regional_enabled)]
 
+
+def calibrator(state: dict[str, Any] | None) -> Finding:
+    """The cascade's calibrator (cascade.calibrator): its last fit against the single signal, used or not."""
+    if state is None:
+        return Finding("calibrator", "skip", "no calibrator (policy.calibrate = false, or no regional cluster)")
+    model = state.get("model")
+    if model is None:
+        return Finding("calibrator", "ok", f"not fitted: {state['last']}",
+                       "labels come from judged answers (escalate = \"auto\") that were escalated and answered")
+    used = "in use: the budget ranks by it" if model["in_use"] else "not used: quantile_logprob ranks at least as well"
+    return Finding("calibrator", "ok", f"version {model['version']}: held-out AUROC {model['auroc_calibrator']:.3f} "
+                   f"against quantile_logprob's {model['auroc_quantile_logprob']:.3f} on {model['held_out']} "
+                   f"labels; {used}")

@@ -43,7 +43,7 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
 
 
 async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
-                        traffic: TrafficWatch | None = None) -> dict[str, Any]:
+                        traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> dict[str, Any]:
     """The setup checks (the model hashed at start, not again) and the recipes over the last half hour
     of engine and traffic samples."""
     setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
@@ -57,4 +57,6 @@ async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: E
                             workload=state.cfg.targets.workload,
                             escalation_share_max=state.cfg.doctor.grow_escalation_share,
                             regional_enabled=state.cfg.regional.enabled)]
+    if cascade is not None:
+        live.append(doctor.calibrator(cascade.status()["calibrator"]))
     return doctor.as_dict([*setup, *live])

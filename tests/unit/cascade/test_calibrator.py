@@ -113,3 +113,15 @@ def test_a_refit_never_holds_the_event_loop(tmp_path: Path):
         return worst
 
     assert asyncio.run(scenario()) < 0.2
+
+
+def test_the_doctor_shows_the_last_fit_against_the_single_signal():
+    from appliance.ops.doctor import calibrator as finding
+
+    cal = Calibrator()
+    assert finding(None).status == "skip"
+    assert finding(cal.status()).summary == "not fitted: not fitted yet"
+    cal.refit(_labels(600, lambda s, rng: s["length"] > 120 or rng.random() < 0.05))
+    shown = finding(cal.status())
+    assert shown.status == "ok" and "version 1" in shown.summary and "in use" in shown.summary
+    assert "against quantile_logprob's" in shown.summary
