@@ -233,7 +233,9 @@ class Outbox:
         """In done's transaction: the client's webhook is owed a call, durably, like the escalation was."""
         if not self.webhook_tenants:
             return
-        (tenant,) = self.db.execute("SELECT tenant FROM escalations WHERE id=?", [esc_id]).fetchone()
+        tenant, reason = self.db.execute("SELECT tenant, reason FROM escalations WHERE id=?", [esc_id]).fetchone()
+        if (reason or "").startswith("shadow"):  # sent for a label only: the client kept its answer
+            return
         if tenant in self.webhook_tenants or None in self.webhook_tenants:
             now = self.clock()
             self.db.execute("INSERT OR IGNORE INTO webhooks (esc_id, tenant, status, created, attempts, next_attempt, "

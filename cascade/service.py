@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from cascade.webhooks import WebhookSender
 log = logging.getLogger(__name__)
 
 Outcome = Literal["answered", "queued", "rejected", "outbox_full"]
+SHADOW_REASON = "shadow: a label for a confident answer"
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Cascade:
                  forwarder: Forwarder | None, quantile: float = signals.DEFAULT_QUANTILE,
                  retry: RetryPolicy = RetryPolicy(), budgets: Budgets | None = None,
                  calibrator: Calibrator | None = None, calibrate_every_s: float = 3600.0,
-                 webhooks: WebhookSender | None = None) -> None:
+                 webhooks: WebhookSender | None = None, shadow_share: float = 0.0,
+                 rng: random.Random | None = None) -> None:
         self.cfg = cfg
         self.outbox = outbox
         self.client = client
@@ -65,6 +68,9 @@ class Cascade:
         self.calibrator = calibrator
         self.calibrate_every_s = calibrate_every_s
         self.webhooks = webhooks  # tells a tenant's client its escalation's regional answer (cascade.webhooks)
+        # Shadow sampling: this share of the answers the judge kept is also sent, for a label only (off: 0).
+        self.shadow_share = shadow_share
+        self._rng = rng or random.Random()
         self.counts: Counter[str] = Counter()  # local, escalated, queued, fallback, failed, refused, ...
 
     # -- decisions (pure, delegated) ---------------------------------------------------------------
@@ -161,6 +167,18 @@ class Cascade:
             return EscalationResult("rejected", esc, error=sent.error)
         self._queued(esc)  # link_down, retry: the forwarder sends it when the back-off is over
         return EscalationResult("queued", esc, error=sent.error)
+
+    async def shadow(self, route: str, request: dict[str, Any], *, priority_class: str, tenant: str | None,
+                     key_id: str | None, judged: tuple[str, signals.Signals | None],
+                     may_escalate: bool, keep_model: bool = False) -> EscalationResult | None:
+        """A confident local answer, sent with shadow_share's chance for a label only: the client keeps its
+        local answer and is told nothing (no header, no webhook). Never for data that may not leave the
+        site; queued like any escalation, so the budget is the share and the outbox's bound."""
+        if self.shadow_share <= 0 or not may_escalate or self._rng.random() >= self.shadow_share:
+            return None
+        self.counts["shadow"] += 1
+        return await self.escalate(route, request, sync=False, priority_class=priority_class, tenant=tenant,
+                                   key_id=key_id, reason=SHADOW_REASON, keep_model=keep_model, judged=judged)
 
     def _queued(self, esc: Escalation) -> None:
         self.counts["queued"] += 1

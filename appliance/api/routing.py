@@ -8,6 +8,7 @@ confidence signals say so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 
@@ -28,6 +29,7 @@ class Routing:
         self.cascade = cascade
         self.served_name = served_name
         self.retry_after_s = retry_after_s
+        self._shadows: set[asyncio.Task] = set()  # shadow sends under way (held: a task nobody holds may be lost)
 
     def decide(self, headers: Mapping[str, str], model: str, prompt_tokens: int, max_tokens: int | None,
                tenant: str | None) -> Decision | None:
@@ -97,6 +99,7 @@ class Routing:
         if not escalate:
             headers[answers.ESCALATION] = "none"
             headers[answers.ESCALATION_REASON] = why
+            self.shadow(ex, judged)
             return ex.answered(200, local, headers)
         result = await self.escalate(ex, sync=ex.decision.mode == "sync", reason=f"low confidence: {why}",
                                      judged=judged)
@@ -106,12 +109,25 @@ class Routing:
         headers.update(answers.headers_for(result, f"low confidence: {why}", "local"))
         return ex.answered(200, local, headers)
 
+    def shadow(self, ex: Exchange, judged: tuple[str, signals.Signals | None]) -> None:
+        """Maybe send this kept answer for a label only (policy.shadow_share), in a task of its own: the
+        client's answer does not wait for the outbox's write."""
+        assert self.cascade is not None and ex.decision is not None
+        if self.cascade.shadow_share <= 0:
+            return
+        task = asyncio.create_task(self.cascade.shadow(
+            ex.route, ex.original, priority_class=ex.cls, tenant=ex.tenant, key_id=ex.rec.key_id, judged=judged,
+            may_escalate=ex.decision.may_escalate, keep_model=ex.rec.model != self.served_name))
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
     def stream_judge(self, ex: Exchange) -> StreamJudge:
         """Auto policy, streamed: the answer is judged when it is complete, before its [DONE]."""
         async def after(tl: signals.TokenLogprobs) -> bytes:
             assert self.cascade is not None
             escalate, why = self.cascade.judge(tl, ex.route, ex.tenant)
             if not escalate:
+                self.shadow(ex, ("".join(judge.texts), self.cascade.signals_of(tl)))
                 return b""
             # The answer has been streamed already: the escalation is queued (async) whatever the mode.
             result = await self.escalate(ex, sync=False, reason=f"low confidence: {why}",

@@ -299,6 +299,9 @@ class PolicySection(_Section):
         description="Judged answers per route and tenant the budget's threshold is read over.")
     budget_warmup: Annotated[int, Field(ge=1)] = Field(default=50,
         description="Judged answers before the budget's threshold replaces the fixed one.")
+    shadow_share: Annotated[float, Field(ge=0, lt=1)] = Field(default=0.0,
+        description="Under auto, this share of the answers the judge kept is also sent to the regional cluster for "
+                    "a label only (the client keeps its answer and is told nothing); never local-only data. Off: 0.")
     calibrate: bool = Field(default=True,
         description="Learn from the outbox's labels which local answers the regional cluster disagrees with; the "
                     "budget ranks by the learned score only while it beats quantile_logprob on held-out labels.")

@@ -100,7 +100,8 @@ def build_cascade(cfg: Config, local_context: int, metrics: Metrics | None = Non
                       quantile=cfg.policy.thresholds.quantile, retry=retry, budgets=budgets(cfg),
                       calibrator=Calibrator(cfg.policy.calibrate_min_labels) if cfg.policy.calibrate else None,
                       calibrate_every_s=cfg.policy.calibrate_every_s,
-                      webhooks=WebhookSender(outbox, hooks, retry=retry) if hooks else None)
+                      webhooks=WebhookSender(outbox, hooks, retry=retry) if hooks else None,
+                      shadow_share=cfg.policy.shadow_share)
     if metrics is not None:
         metrics.attach_cascade(cascade.status)
     return cascade
