@@ -303,9 +303,14 @@ def calibrator_report(results: list[Result], args: argparse.Namespace, sim: rand
     """The calibrator fitted on one half's labels, judged on the other: AUROC and the gap at the budget."""
     from cascade.calibrator import auroc as cal_auroc
     from cascade.calibrator import fit as fit_calibrator
+    from cascade.service import prompt_chars
 
     fit_half, test = split_halves(list(results), random.Random(args.seed + 4))
-    labels = [{"signals": r.sig.as_dict(), "agree": int(r.correct)} for r in fit_half if r.sig is not None]
+    def seen(r: Result) -> dict:  # the signals with the prompt's size, as the appliance stores them
+        return {**r.sig.as_dict(), "prompt_chars": prompt_chars({"messages": [{"role": "user", "content": r.item.prompt}]})}
+
+    # Each task is a route here: what the appliance's labels carry (route, tenant) besides the signals.
+    labels = [{"signals": seen(r), "route": r.item.task, "agree": int(r.correct)} for r in fit_half if r.sig is not None]
     model = fit_calibrator(labels, 1, min_labels=min(50, len(labels)))
     print(f"\n== calibrator fitted on {len(labels)} labels (one half), judged on the other ({len(test)} answers):")
     if isinstance(model, str):
@@ -316,7 +321,7 @@ def calibrator_report(results: list[Result], args: argparse.Namespace, sim: rand
     scored = [r for r in test if r.sig is not None]
     k = round(args.budget * len(test))
     wrong = sum(not r.correct for r in test)
-    rows = {"calibrator": lambda r: model.score(r.sig.as_dict())}
+    rows = {"calibrator": lambda r: model.score(seen(r), r.item.task)}
     rows |= {s: (lambda r, s=s: -(getattr(r.sig, s) if getattr(r.sig, s) is not None else 0.0)) for s in SIGNALS}
     m, lo, hi = random_recovered(test, args.budget, args.trials, sim)
     print(f"{'ranking':>18} {'AUROC':>6} {'gap at ' + format(args.budget, '.0%'):>10} {'x random':>9}")

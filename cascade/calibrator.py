@@ -1,5 +1,6 @@
 """A calibrator learned from the site's own labels (issue 34, item 3): a logistic regression of "the local
-answer disagreed with the regional one" on the local answer's signals, fitted on part of the labels the
+answer disagreed with the regional one" on the local answer's signals and cheap request features (the
+prompt's and the answer's length, the route, the tenant), fitted on part of the labels the
 outbox keeps (cascade.labels) and judged on the rest against the single signal the budget otherwise ranks
 by (quantile_logprob). It is used only while it ranks the held-out answers better (AUROC) than that signal.
 
@@ -19,13 +20,16 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("mean_logprob", "min_logprob", "quantile_logprob", "neg_mean_entropy", "log_length", "no_entropy")
+FEATURES = ("mean_logprob", "min_logprob", "quantile_logprob", "neg_mean_entropy", "log_length", "no_entropy",
+            "log_prompt_chars")
+MAX_CATEGORIES = 8  # routes and tenants with a feature of their own (the most frequent; the rest share none)
 MAX_ROWS = 5000  # the newest labels a fit reads
 MIN_LABELS = 200
 HOLD_OUT = 0.3
@@ -33,12 +37,25 @@ MARGIN = 0.01  # the calibrator's held-out AUROC must beat the single signal's b
 L2 = 1.0
 
 
-def features(signals: dict[str, Any]) -> list[float]:
-    """The signals as the model reads them; an answer without top-k entropy says so in its own feature."""
+def features(signals: dict[str, Any], route: str | None = None, tenant: str | None = None,
+             categories: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> list[float]:
+    """The signals and cheap request features as the model reads them: an answer without top-k entropy
+    says so in its own feature; the prompt's and answer's lengths on a log scale; one indicator per route
+    and tenant the model was fitted on."""
     entropy = signals.get("neg_mean_entropy")
-    return [float(signals.get("mean_logprob") or 0.0), float(signals.get("min_logprob") or 0.0),
-            float(signals.get("quantile_logprob") or 0.0), float(entropy) if entropy is not None else 0.0,
-            math.log1p(max(0, int(signals.get("length") or 0))), 0.0 if entropy is not None else 1.0]
+    row = [float(signals.get("mean_logprob") or 0.0), float(signals.get("min_logprob") or 0.0),
+           float(signals.get("quantile_logprob") or 0.0), float(entropy) if entropy is not None else 0.0,
+           math.log1p(max(0, int(signals.get("length") or 0))), 0.0 if entropy is not None else 1.0,
+           math.log1p(max(0, int(signals.get("prompt_chars") or 0)))]
+    routes, tenants = categories
+    return [*row, *(float(route == r) for r in routes), *(float((tenant or "") == t) for t in tenants)]
+
+
+def _categories(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def most(key: str) -> tuple[str, ...]:
+        counts = Counter(str(lb.get(key) or "") for lb in labels)
+        return tuple(sorted(name for name, _ in counts.most_common(MAX_CATEGORIES))) if len(counts) > 1 else ()
+    return most("route"), most("tenant")
 
 
 def auroc(positive: Sequence[float], negative: Sequence[float]) -> float:
@@ -100,6 +117,7 @@ def fit_logistic(rows: Sequence[Sequence[float]], y: Sequence[int], l2: float = 
 @dataclass(frozen=True)
 class Model:
     version: int
+    categories: tuple[tuple[str, ...], tuple[str, ...]]  # the routes and tenants with a feature of their own
     weights: tuple[float, ...]
     means: tuple[float, ...]
     scales: tuple[float, ...]
@@ -113,9 +131,9 @@ class Model:
     def in_use(self) -> bool:
         return self.auroc_model >= self.auroc_signal + MARGIN
 
-    def score(self, signals: dict[str, Any]) -> float:
+    def score(self, signals: dict[str, Any], route: str | None = None, tenant: str | None = None) -> float:
         """P(the local answer disagrees with the regional one): higher is more doubtful."""
-        return self.score_row(features(signals))
+        return self.score_row(features(signals, route, tenant, self.categories))
 
     def score_row(self, row: Sequence[float]) -> float:
         z = [(v - m) / s for v, m, s in zip(row, self.means, self.scales, strict=True)]
@@ -125,13 +143,16 @@ class Model:
         return {"version": self.version, "in_use": self.in_use, "trained_on": self.trained,
                 "held_out": self.held_out, "auroc_calibrator": round(self.auroc_model, 4),
                 "auroc_quantile_logprob": round(self.auroc_signal, 4), "fitted_at": self.fitted_at,
-                "features": list(FEATURES)}
+                "features": [*FEATURES, *(f"route={r}" for r in self.categories[0]),
+                             *(f"tenant={t}" for t in self.categories[1])]}
 
 
 def fit(labels: Sequence[dict[str, Any]], version: int, seed: int = 0, min_labels: int = MIN_LABELS) -> Model | str:
     """A model from labels ({"signals": {...}, "agree": 0|1}), or why none: too few, or one kind only."""
-    usable = [(features(lb["signals"]), 0 if lb["agree"] else 1) for lb in labels[:MAX_ROWS]
-              if isinstance(lb.get("signals"), dict)]
+    labels = [lb for lb in labels[:MAX_ROWS] if isinstance(lb.get("signals"), dict)]
+    categories = _categories(labels)
+    usable = [(features(lb["signals"], lb.get("route"), lb.get("tenant"), categories), 0 if lb["agree"] else 1)
+              for lb in labels]
     if len(usable) < min_labels:
         return f"{len(usable)} labels, {min_labels} needed"
     rng = random.Random(seed)
@@ -148,13 +169,13 @@ def fit(labels: Sequence[dict[str, Any]], version: int, seed: int = 0, min_label
         return [(v - m) / s for v, m, s in zip(r, means, scales, strict=True)]
 
     weights = tuple(fit_logistic([z(r) for r, _ in train], [y for _, y in train]))
-    model = Model(version, weights, means, scales, len(train), len(test), 0.0, 0.0)
+    model = Model(version, categories, weights, means, scales, len(train), len(test), 0.0, 0.0)
     wrong = [model.score_row(r) for r, y in test if y]
     right = [model.score_row(r) for r, y in test if not y]
     # The single signal ranks the other way round: a lower quantile log-probability is more doubtful.
     quantile = FEATURES.index("quantile_logprob")
     sig_wrong, sig_right = [-r[quantile] for r, y in test if y], [-r[quantile] for r, y in test if not y]
-    return Model(version, weights, means, scales, len(train), len(test), auroc(wrong, right),
+    return Model(version, categories, weights, means, scales, len(train), len(test), auroc(wrong, right),
                  auroc(sig_wrong, sig_right))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import random
 from collections import Counter
@@ -39,6 +40,12 @@ class EscalationResult:
     @property
     def id(self) -> str | None:
         return self.escalation.id if self.escalation else None
+
+
+def prompt_chars(request: dict[str, Any]) -> int:
+    """The prompt's size, as the calibrator's feature: the same measure when a label is stored and when an
+    answer is judged."""
+    return len(json.dumps(request.get("messages", request.get("prompt", "")), ensure_ascii=False))
 
 
 def regional_body(request: dict[str, Any], regional_model: str, keep_model: bool) -> dict[str, Any]:
@@ -82,7 +89,7 @@ class Cascade:
         return signals.compute(tl, self.quantile)
 
     def judge(self, tl: signals.TokenLogprobs, route: str = "/v1/chat/completions",
-              tenant: str | None = None) -> tuple[bool, str]:
+              tenant: str | None = None, request: dict[str, Any] | None = None) -> tuple[bool, str]:
         """Escalate this local answer? And why, in words for the response's headers and the log. With an
         escalation budget for this route and tenant, the threshold is the budget's (cascade.budget) once it
         has warmed up; the fixed thresholds otherwise."""
@@ -92,7 +99,8 @@ class Cascade:
             return policy.judge(self.cfg.thresholds, s)
         model = self.calibrator.active if self.calibrator is not None else None
         # What the budget ranks by, lower more doubtful: the calibrator's score negated, or the signal.
-        value, name = (-model.score(s.as_dict()), f"calibrator v{model.version}") if model else \
+        seen = {**s.as_dict(), "prompt_chars": prompt_chars(request)} if request is not None else s.as_dict()
+        value, name = (-model.score(seen, route, tenant), f"calibrator v{model.version}") if model else \
             (s.quantile_logprob, "quantile_logprob")
         if threshold is None:
             escalate, why = policy.judge(self.cfg.thresholds, s)
@@ -145,6 +153,8 @@ class Cascade:
         regional answer makes (cascade.labels)."""
         body = regional_body(request, self.cfg.regional_model, keep_model)
         local_answer, local_signals = (judged[0], dataclasses.asdict(judged[1])) if judged and judged[1] else (None, None)
+        if local_signals is not None:  # a cheap request feature for the calibrator: how long the prompt was
+            local_signals["prompt_chars"] = prompt_chars(request)
         try:
             esc = await asyncio.to_thread(self.outbox.put, route, body, priority_class=priority_class,
                                           tenant=tenant, key_id=key_id, reason=reason, local_answer=local_answer,

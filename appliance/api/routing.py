@@ -91,7 +91,7 @@ class Routing:
         except ValueError:
             return ex.answered(200, content, headers)
         tl = signals.from_response(data)
-        escalate, why = self.cascade.judge(tl, ex.route, ex.tenant)
+        escalate, why = self.cascade.judge(tl, ex.route, ex.tenant, ex.original)
         judged = (ex.dialect.text_of(data, False), self.cascade.signals_of(tl))
         if not ex.client_wants_logprobs:
             answers.hide_logprobs(data)
@@ -125,7 +125,7 @@ class Routing:
         """Auto policy, streamed: the answer is judged when it is complete, before its [DONE]."""
         async def after(tl: signals.TokenLogprobs) -> bytes:
             assert self.cascade is not None
-            escalate, why = self.cascade.judge(tl, ex.route, ex.tenant)
+            escalate, why = self.cascade.judge(tl, ex.route, ex.tenant, ex.original)
             if not escalate:
                 self.shadow(ex, ("".join(judge.texts), self.cascade.signals_of(tl)))
                 return b""

@@ -125,3 +125,24 @@ def test_the_doctor_shows_the_last_fit_against_the_single_signal():
     shown = finding(cal.status())
     assert shown.status == "ok" and "version 1" in shown.summary and "in use" in shown.summary
     assert "against quantile_logprob's" in shown.summary
+
+
+def test_the_prompt_s_length_the_route_and_the_tenant_are_features():
+    """Disagreement that depends on who asks and how long the prompt was, not on the signals: the model
+    learns it from those features (and the judge gives it the prompt's length the label stored)."""
+    rng = random.Random(11)
+    labels = []
+    for _ in range(800):
+        sig = {"mean_logprob": rng.uniform(-3, 0), "min_logprob": rng.uniform(-8, -1),
+               "quantile_logprob": rng.uniform(-4, 0), "neg_mean_entropy": rng.uniform(-2, 0),
+               "length": rng.randint(1, 200), "prompt_chars": rng.randint(10, 4000)}
+        tenant, route = rng.choice(["lab", "shop"]), rng.choice(["/v1/chat/completions", "/v1/completions"])
+        wrong = (tenant == "lab" and sig["prompt_chars"] > 1500) or rng.random() < 0.03
+        labels.append({"signals": sig, "route": route, "tenant": tenant, "agree": 0 if wrong else 1})
+    model = fit(labels, 1)
+    assert not isinstance(model, str) and model.in_use, model.summary()
+    assert {"log_prompt_chars", "tenant=lab", "tenant=shop", "route=/v1/completions"} <= set(model.summary()["features"])
+    same = {**labels[0]["signals"], "prompt_chars": 3000}
+    assert model.score(same, "/v1/chat/completions", "lab") > model.score(same, "/v1/chat/completions", "shop") + 0.3
+    assert model.score(same, "/v1/chat/completions", "lab") > model.score({**same, "prompt_chars": 50},
+                                                                          "/v1/chat/completions", "lab") + 0.3
