@@ -111,7 +111,9 @@ def _error_body_problem(out: Outcome) -> str | None:
     return None
 
 
-_STREAM_ENDS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+# The event a whole stream of these APIs ends with (a response cut short by its output limit ends
+# "incomplete", which is whole too)
+_STREAM_ENDS = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
 
 
 def _anthropic_error_problem(out: Outcome) -> str | None:
@@ -143,7 +145,7 @@ def engine_faults(outcomes: list[Outcome]) -> list[str]:
     for out in outcomes:
         if out.status == 200 and "text/event-stream" in out.headers.get("content-type", ""):
             text = out.body.decode("utf-8", "replace")
-            for line in text.splitlines():
+            for line in text.split("\n"):  # SSE's lines; splitlines() would also cut at \x1c or \u2028 in the data
                 if line.startswith('data: {"error"') and _engine_fault(line[6:]):
                     found.append(f"{line[6:300]} <- [{out.probe.note}] {out.probe.reproduce()}")
     return found
@@ -155,11 +157,13 @@ def _answer_problem(out: Outcome) -> str | None:
         return None
     ctype = out.headers.get("content-type", "")
     if "text/event-stream" in ctype:
-        events = [line[6:] for line in out.body.decode("utf-8", "replace").splitlines() if line.startswith("data: ")]
-        ending = _STREAM_ENDS.get(out.probe.path)
-        if ending is not None:  # the Responses and Messages streams end with an event of their own
-            if not events or f'"type":"{ending}"' not in events[-1]:
-                return f"stream did not end with {ending}: {out.body[-200:]!r}"
+        # SSE's lines end in \n only: splitlines() would also cut a data line at a \x1c or \u2028 the answer
+        # echoes (a Responses stream repeats the request's instructions in its events)
+        events = [line[6:] for line in out.body.decode("utf-8", "replace").split("\n") if line.startswith("data: ")]
+        endings = _STREAM_ENDS.get(out.probe.path)
+        if endings is not None:  # the Responses and Messages streams end with an event of their own
+            if not events or not any(f'"type":"{e}"' in events[-1] for e in endings):
+                return f"stream did not end with {' or '.join(endings)}: {out.body[-200:]!r}"
             return None
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {out.body[-200:]!r}"
