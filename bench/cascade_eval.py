@@ -43,6 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cascade import signals
+from cascade.calibrator import auroc  # the Mann-Whitney AUROC, ties half
 from tests.support import start_appliance
 
 SIGNALS = ("quantile_logprob", "mean_logprob", "min_logprob", "neg_mean_entropy")
@@ -132,24 +133,6 @@ def is_correct(item: Item, answer: str) -> bool:
         words = norm(answer).split()
         return bool(words) and words[0] == item.gold[0]
     return hit and not any(f" {norm(w)} " in a for w in item.wrong if norm(w))
-
-
-def auroc(scores_wrong: list[float], scores_right: list[float]) -> float:
-    """P(score of a wrong answer > score of a right one), ties half: the Mann-Whitney form of the AUROC.
-    Written out rather than importing scikit-learn (hundreds of MB) for ten lines."""
-    if not scores_wrong or not scores_right:
-        return float("nan")
-    pooled = sorted([(s, 1) for s in scores_wrong] + [(s, 0) for s in scores_right])
-    rank_sum, i = 0.0, 0
-    while i < len(pooled):
-        j = i
-        while j < len(pooled) and pooled[j][0] == pooled[i][0]:
-            j += 1
-        avg_rank = (i + j + 1) / 2  # 1-based ranks i+1..j
-        rank_sum += avg_rank * sum(1 for k in range(i, j) if pooled[k][1] == 1)
-        i = j
-    n1, n0 = len(scores_wrong), len(scores_right)
-    return (rank_sum - n1 * (n1 + 1) / 2) / (n1 * n0)
 
 
 def _order(results: list[Result], name: str) -> list[Result]:
@@ -301,7 +284,6 @@ def budget_report(results: list[Result], args: argparse.Namespace, sim: random.R
 
 def calibrator_report(results: list[Result], args: argparse.Namespace, sim: random.Random) -> None:
     """The calibrator fitted on one half's labels, judged on the other: AUROC and the gap at the budget."""
-    from cascade.calibrator import auroc as cal_auroc
     from cascade.calibrator import fit as fit_calibrator
     from cascade.service import prompt_chars
 
@@ -326,7 +308,7 @@ def calibrator_report(results: list[Result], args: argparse.Namespace, sim: rand
     m, lo, hi = random_recovered(test, args.budget, args.trials, sim)
     print(f"{'ranking':>18} {'AUROC':>6} {'gap at ' + format(args.budget, '.0%'):>10} {'x random':>9}")
     for name, score in rows.items():
-        a = cal_auroc([score(r) for r in scored if not r.correct], [score(r) for r in scored if r.correct])
+        a = auroc([score(r) for r in scored if not r.correct], [score(r) for r in scored if r.correct])
         top = sorted(test, key=lambda r: -score(r) if r.sig is not None else float("-inf"))[:k]
         gap = sum(not r.correct for r in top) / wrong if wrong else float("nan")
         print(f"{name:>18} {a:>6.3f} {gap:>10.2f} {gap / m:>9.2f}")

@@ -90,10 +90,14 @@ class Cascade:
 
     def judge(self, tl: signals.TokenLogprobs, route: str = "/v1/chat/completions",
               tenant: str | None = None, request: dict[str, Any] | None = None) -> tuple[bool, str]:
-        """Escalate this local answer? And why, in words for the response's headers and the log. With an
-        escalation budget for this route and tenant, the threshold is the budget's (cascade.budget) once it
-        has warmed up; the fixed thresholds otherwise."""
-        s = signals.compute(tl, self.quantile)
+        """Escalate this local answer? And why, in words for the response's headers and the log."""
+        return self.judge_signals(self.signals_of(tl), route, tenant, request)
+
+    def judge_signals(self, s: signals.Signals | None, route: str = "/v1/chat/completions",
+                      tenant: str | None = None, request: dict[str, Any] | None = None) -> tuple[bool, str]:
+        """judge, for signals already computed (the gateway keeps them for the label an escalation makes).
+        With an escalation budget for this route and tenant, the threshold is the budget's (cascade.budget)
+        once it has warmed up; the fixed thresholds otherwise."""
         threshold, tracker = self.budgets.threshold(route, tenant)
         if tracker is None or s is None:
             return policy.judge(self.cfg.thresholds, s)

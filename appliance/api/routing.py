@@ -90,9 +90,9 @@ class Routing:
             data = json.loads(content)
         except ValueError:
             return ex.answered(200, content, headers)
-        tl = signals.from_response(data)
-        escalate, why = self.cascade.judge(tl, ex.route, ex.tenant, ex.original)
-        judged = (ex.dialect.text_of(data, False), self.cascade.signals_of(tl))
+        computed = self.cascade.signals_of(signals.from_response(data))
+        escalate, why = self.cascade.judge_signals(computed, ex.route, ex.tenant, ex.original)
+        judged = (ex.dialect.text_of(data, False), computed)
         if not ex.client_wants_logprobs:
             answers.hide_logprobs(data)
         local = json.dumps(data).encode()
@@ -125,13 +125,14 @@ class Routing:
         """Auto policy, streamed: the answer is judged when it is complete, before its [DONE]."""
         async def after(tl: signals.TokenLogprobs) -> bytes:
             assert self.cascade is not None
-            escalate, why = self.cascade.judge(tl, ex.route, ex.tenant, ex.original)
+            computed = self.cascade.signals_of(tl)
+            escalate, why = self.cascade.judge_signals(computed, ex.route, ex.tenant, ex.original)
+            judged = ("".join(judge.texts), computed)
             if not escalate:
-                self.shadow(ex, ("".join(judge.texts), self.cascade.signals_of(tl)))
+                self.shadow(ex, judged)
                 return b""
             # The answer has been streamed already: the escalation is queued (async) whatever the mode.
-            result = await self.escalate(ex, sync=False, reason=f"low confidence: {why}",
-                                         judged=("".join(judge.texts), self.cascade.signals_of(tl)))
+            result = await self.escalate(ex, sync=False, reason=f"low confidence: {why}", judged=judged)
             if result.id:
                 return answers.sse_comment(f"appliance-escalation-id={result.id} reason={why}")
             return answers.sse_comment(f"appliance-escalation={result.outcome} reason={why}")
