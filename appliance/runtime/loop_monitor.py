@@ -56,7 +56,7 @@ class LoopMonitor:
                 if not longest:
                     cpu_at_start = beat_cpu
                     frame = self._loop_frame()
-                    in_loop = frame is not None and frame.f_code.co_name in _LOOP_OWN
+                    in_loop = frame is not None and in_the_loops_own_code(frame)
                     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unavailable)"
                     log.warning("event loop blocked for %.1f s so far; every request waits. The loop is at:\n%s",
                                 lag, stack)
@@ -71,8 +71,12 @@ class LoopMonitor:
         return sys._current_frames().get(self._loop_thread) if self._loop_thread is not None else None
 
 
-# The innermost frame when the loop runs no Python code of ours: it waits in the event loop's own code.
-_LOOP_OWN = frozenset({"run_until_complete", "run_forever", "_run_once", "select"})
+def in_the_loops_own_code(frame: FrameType) -> bool:
+    """Whether the loop thread's innermost Python frame is the event loop's own machinery, not a call of
+    ours. asyncio's pure-Python loop shows `_run_once`/`select`; uvloop's loop is C, so while it runs the
+    innermost Python frame is the runner that started it (asyncio.runners' `run` in uvloop.run)."""
+    module = frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in ("asyncio", "selectors", "uvloop")
 
 
 def explain(in_loop: bool, cpu_s: float, stall_s: float, cpu_pressure: str | None) -> str:

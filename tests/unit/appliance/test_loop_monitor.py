@@ -51,3 +51,35 @@ def test_a_stall_without_our_code_on_the_stack_and_without_cpu_is_the_machines()
     # our own code on the stack, or a daemon that was busy all along: the call is to blame
     assert "belongs in a thread" in explain(in_loop=False, cpu_s=0.0, stall_s=3.0, cpu_pressure="avg10=62.10")
     assert "belongs in a thread" in explain(in_loop=True, cpu_s=2.9, stall_s=3.0, cpu_pressure=None)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_loop_waiting_in_its_own_code_is_told_from_one_running_ours(loop: str):
+    """The daemon runs uvloop, whose loop is C: while it waits, the innermost Python frame is asyncio's
+    runner, which must count as the loop's own code, or a stall the machine caused is blamed on a call."""
+    import sys
+    import threading
+
+    import uvloop
+
+    from appliance.runtime.loop_monitor import in_the_loops_own_code
+
+    seen: dict[str, bool] = {}
+
+    async def main() -> None:
+        tid = threading.get_ident()
+
+        def peek(name: str) -> None:
+            seen[name] = in_the_loops_own_code(sys._current_frames()[tid])
+
+        waiting = threading.Thread(target=lambda: (time.sleep(0.3), peek("waiting")))
+        waiting.start()
+        await asyncio.sleep(0.6)  # the loop waits in its own code
+        waiting.join()
+        busy = threading.Thread(target=lambda: (time.sleep(0.2), peek("busy")))
+        busy.start()
+        _stuck_in_a_synchronous_call(0.5)  # our code holds the loop
+        busy.join()
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    assert seen == {"waiting": True, "busy": False}, seen
