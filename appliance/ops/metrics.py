@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.api.admission import Load
 from appliance.engine.supervisor import EngineState, EngineStatus
 from appliance.engine.watch import lines_for
+from appliance.ops.doctor import Finding
 from appliance.ops.traffic import ESCALATION_OUTCOMES, TrafficSample
 from appliance.store.requests import RequestRecord
 
@@ -101,6 +104,44 @@ def _budget_figures(budgets: list[dict[str, Any]]) -> Iterable[Metric]:
     yield from families
 
 
+class _DoctorFindings:
+    """The doctor's live findings at scrape time: one series per check and status, 1 for the status it
+    has now, so an alert rule can wait on `{check="kv-pressure",status="warn"} == 1` for a while."""
+
+    STATUSES = ("ok", "warn", "fail", "skip")
+
+    def __init__(self, findings: Callable[[], Sequence[Finding]]) -> None:
+        self.findings = findings
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("appliance_doctor_finding", "The doctor's live findings (GET "
+                                   "/v1/appliance/doctor): 1 for each check's status now", labels=["check", "status"])
+        for f in self.findings():
+            for status in self.STATUSES:
+                family.add_metric([f.check, status], 1.0 if f.status == status else 0.0)
+        yield family
+
+
+class _StateDisk:
+    """The file system under the state directory (request log, keys, outbox): read at scrape time."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        where = self.directory
+        while not where.exists() and where != where.parent:  # not made yet: the file system it will be on
+            where = where.parent
+        try:
+            usage = shutil.disk_usage(where)
+        except OSError:  # unreadable: no figure rather than a failed scrape
+            return
+        yield GaugeMetricFamily("appliance_state_disk_free_bytes", "Bytes free to the daemon under the state "
+                                "directory", value=usage.free)
+        yield GaugeMetricFamily("appliance_state_disk_size_bytes", "Size of the file system under the state "
+                                "directory", value=usage.total)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -129,6 +170,8 @@ class Metrics:
                                  ["class"], registry=r)
         self.in_flight = Gauge("appliance_admission_in_flight", "Requests holding an engine slot", ["class"],
                                registry=r)
+        self.ttft_target = Gauge("appliance_admission_ttft_target_seconds", "Each priority class's time-to-first-"
+                                 "token target ([admission.classes.*] ttft_target_s)", ["class"], registry=r)
         self.forwarded = Counter("appliance_outbox_sends", "Forwarder sends by result: delivered, retry, "
                                  "link_down, rejected, gave_up", ["result"], registry=r)
         self.loop_stalls = Histogram("appliance_event_loop_stall_seconds", "Stalls of the daemon's event loop "
@@ -180,7 +223,9 @@ class Metrics:
                              gold_refused=t["gold_refused"],
                              escalations=sum(cascade_counts.get(k, 0) for k in ESCALATION_OUTCOMES))
 
-    def observe_admission(self, load: Load) -> None:
+    def observe_admission(self, load: Load, ttft_targets: Mapping[str, float] | None = None) -> None:
+        for cls, target in (ttft_targets or {}).items():
+            self.ttft_target.labels(cls).set(target)
         for cls, n in load.queued.items():
             self.queue_depth.labels(cls).set(n)
         for cls, n in load.in_flight.items():
@@ -199,6 +244,12 @@ class Metrics:
     def attach_engine(self, source: Callable[[], str | None]) -> None:
         """Where the engine's last /metrics text comes from (the engine watch); None while there is none."""
         self._engine.source = source
+
+    def attach_doctor(self, findings: Callable[[], Sequence[Finding]]) -> None:
+        self.registry.register(_DoctorFindings(findings))
+
+    def attach_state_dir(self, directory: Path) -> None:
+        self.registry.register(_StateDisk(directory))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,12 +42,10 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
     }
 
 
-async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
-                        traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> dict[str, Any]:
-    """The setup checks (the model hashed at start, not again) and the recipes over the last half hour
-    of engine and traffic samples."""
-    setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
-                                    state.kernel_check)
+def live_findings(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
+                  traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> list[doctor.Finding]:
+    """The engine's state and the recipes over the last half hour of engine and traffic samples: no I/O,
+    so the metrics export them at every scrape (appliance_doctor_finding) as well as the doctor route."""
     st = supervisor.status
     p = state.site_plan.plan
     live = [doctor.engine_state(st.state.value, st.reason, st.restarts),
@@ -59,4 +57,12 @@ async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: E
                             regional_enabled=state.cfg.regional.enabled)]
     if cascade is not None:
         live.append(doctor.calibrator(cascade.status()["calibrator"]))
-    return doctor.as_dict([*setup, *live])
+    return live
+
+
+async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
+                        traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> dict[str, Any]:
+    """The setup checks (the model hashed at start, not again) and the live findings."""
+    setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
+                                    state.kernel_check)
+    return doctor.as_dict([*setup, *live_findings(state, supervisor, watch, traffic, cascade)])

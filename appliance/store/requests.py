@@ -205,3 +205,14 @@ def recent_requests(path: Path, limit: int = 50) -> list[dict[str, Any]]:
         return list(db["requests"].rows_where(order_by="ts desc", limit=limit))
     finally:
         db.close()
+
+
+def recent_errors(path: Path, limit: int = 10) -> list[dict[str, Any]]:
+    """The newest answers that were not a success (status 400 and over), for the status page: when,
+    which route, which status and error code. Never the prompt or the answer."""
+    db = open_db(path)
+    try:
+        return list(db["requests"].rows_where("status >= 400", order_by="ts desc", limit=limit,
+                                              select="id, ts, route, status, error_code, key_id"))
+    finally:
+        db.close()
