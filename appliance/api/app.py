@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
@@ -17,6 +17,7 @@ from appliance.api.errors import ApiError, install_handlers
 from appliance.api.faults import FaultBarrier
 from appliance.api.gateway import Gateway
 from appliance.engine.supervisor import EngineState
+from appliance.ops import status_page
 from appliance.store.keys import KeyVerifier
 from cascade.outbox import STATUSES
 
@@ -24,7 +25,8 @@ from cascade.outbox import STATUSES
 def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = None,
                verifier: KeyVerifier | None = None, keys_required: bool = False,
                status: Callable[[], dict[str, Any]] | None = None,
-               doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> FastAPI:
+               doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+               recent_errors: Callable[[], list[dict[str, Any]]] | None = None) -> FastAPI:
     """The app: one router per feature, in the order the router tries them (the generation routes first:
     they carry nearly every request), then the key check and the fault barrier around them."""
     app = FastAPI(
@@ -37,7 +39,7 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
     if verifier is not None:
         app.add_middleware(ApiKeyAuth, verifier=verifier, required=keys_required)
     for router in (generation_routes(gateway), health_routes(gateway), operator_routes(gateway, plan, status, doctor),
-                   escalation_routes(gateway)):
+                   escalation_routes(gateway), page_routes(gateway, plan, status, doctor, recent_errors)):
         app.include_router(router)
     # Added last, so outermost: it also catches a fault in the key middleware.
     app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)
@@ -122,7 +124,8 @@ def health_routes(gateway: Gateway) -> APIRouter:
             raise ApiError(404, "metrics are not enabled in this daemon", code="not_found")
         gateway.metrics.observe_engine(supervisor.status)
         if gateway.admission is not None:
-            gateway.metrics.observe_admission(gateway.admission.load())
+            gateway.metrics.observe_admission(gateway.admission.load(), {
+                cls: c.ttft_target_s for cls, c in gateway.admission.cfg.classes.items()})
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
@@ -165,6 +168,31 @@ def operator_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
         """The KV budget and engine settings the daemon started the engine with."""
         return provided(plan, "plan")()
 
+    return router
+
+
+def page_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
+                status: Callable[[], dict[str, Any]] | None,
+                doctor: Callable[[], Awaitable[dict[str, Any]]] | None,
+                recent_errors: Callable[[], list[dict[str, Any]]] | None) -> APIRouter:
+    """GET / and /status: the status page (appliance.ops.status_page), admin scope like /v1/appliance/*."""
+    router = APIRouter()
+
+    async def page() -> HTMLResponse:
+        if plan is None or status is None or doctor is None:
+            raise ApiError(404, "no status page in this daemon", code="not_found")
+        load: dict[str, Any] = {"requests": len(gateway.exchanges.snapshot()), "in_flight": {}, "queued": {},
+                                "kv_usage": None}
+        if gateway.admission is not None:
+            gate = gateway.admission.load()
+            load |= {"in_flight": dict(gate.in_flight), "queued": dict(gate.queued), "kv_usage": gate.kv_usage}
+        errors = await asyncio.to_thread(recent_errors) if recent_errors is not None else []
+        inputs = status_page.PageInputs(status=status(), plan=plan(), doctor=await doctor(), load=load,
+                                        recent_errors=errors)
+        return HTMLResponse(status_page.render(inputs), headers={"Cache-Control": "no-store"})
+
+    router.add_api_route("/", page, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/status", page, methods=["GET"], include_in_schema=False)
     return router
 
 

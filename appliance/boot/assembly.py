@@ -23,13 +23,13 @@ from appliance.engine.supervisor import EngineSupervisor
 from appliance.engine.watch import EngineWatch
 from appliance.ops.metrics import Metrics
 from appliance.ops.remedies import Remedies
-from appliance.ops.status import doctor_report, status
+from appliance.ops.status import doctor_report, live_findings, status
 from appliance.ops.traffic import TrafficWatch
 from appliance.runtime.daemon import Daemon
 from appliance.runtime.loop_monitor import LoopMonitor
 from appliance.runtime.systemd import Notifier
 from appliance.store.keys import KeyVerifier
-from appliance.store.requests import RequestLog
+from appliance.store.requests import RequestLog, recent_errors
 from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
 
@@ -68,11 +68,14 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
     # The site's traffic sampled beside each engine sample, for the doctor's grow advisor.
     traffic = TrafficWatch(lambda ts: metrics.traffic(ts, cascade.counts if cascade is not None else {}))
     watch.add_listener(lambda s: traffic.record(s.ts))
+    metrics.attach_doctor(lambda: live_findings(state, supervisor, watch, traffic, cascade))
+    metrics.attach_state_dir(cfg.state.directory)
     required = keys_required(cfg.auth.require_keys, cfg.server.host)
     verifier = KeyVerifier(cfg.database_path)
     app = create_app(gateway, plan=lambda: plan_dict(state.site_plan.plan), verifier=verifier,
                      keys_required=required, status=lambda: status(state, supervisor, cascade),
-                     doctor=lambda: doctor_report(state, supervisor, watch, traffic, cascade))
+                     doctor=lambda: doctor_report(state, supervisor, watch, traffic, cascade),
+                     recent_errors=lambda: recent_errors(cfg.database_path))
     return Daemon(state=state, request_log=request_log, metrics=metrics, supervisor=supervisor, admission=admission,
                   cascade=cascade, gateway=gateway, engine_watch=watch,
                   remedies=Remedies(state, supervisor, watch, gateway, admission, metrics), verifier=verifier,
