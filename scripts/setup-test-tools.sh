@@ -14,10 +14,13 @@ lacking() {
 }
 
 # Tools the test suite calls (the packaging tests build and check the RPM and the OCI image with these, no
-# container daemon needed; the unit tests verify the systemd units; failed tests report sockets with ss).
+# container daemon needed; the unit tests verify the systemd units; failed tests report sockets with ss;
+# promtool checks and unit-tests the alert rules (Debian ships it in `prometheus`, whose server a box with
+# systemd running would also start); a headless Chromium renders the status page).
 missing=()
 for tool in rpmbuild:rpm rpmlint:rpmlint buildah:buildah podman:podman umoci:umoci oci-image-tool:oci-image-tool \
-            debootstrap:debootstrap runc:runc systemd-analyze:systemd ss:iproute2; do
+            debootstrap:debootstrap runc:runc systemd-analyze:systemd ss:iproute2 promtool:prometheus \
+            chromium-headless-shell:chromium-headless-shell; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${tool%%:*}" ] || missing+=("${tool#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

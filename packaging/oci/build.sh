@@ -65,6 +65,7 @@ chmod -R a+rX "$ctx/model" "$ctx/venv" "$ctx/appliance"
 digest="$("$py" -c 'import sys; from kernels.manifest import build; print(build(sys.argv[1]).digest)' "$ctx/model")"
 sed "s|@MODEL_DIGEST@|$digest|" "$here/image.toml" >"$ctx/image.toml"
 cp "$here/Containerfile" "$ctx/"
+cp -r "$repo/packaging/monitoring" "$ctx/monitoring"  # alert rules and dashboard, for the fleet to take out
 
 say "locking the environment's kernels and writing the SBOM"
 "$py" -m appliance.cli kernels lock --lock "$ctx/kernel-lock.json" \

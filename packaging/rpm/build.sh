@@ -19,6 +19,7 @@ cp "$repo"/systemd/appliance.service "$repo"/systemd/appliance.sysusers.conf "$r
    "$repo"/systemd/90-appliance.preset "$repo"/appliance/packaged.toml "$repo"/README.md \
    "$repo"/docs/configuration.md "$repo"/docs/cli.md "$top/SOURCES/"
 tar -C "$repo/packaging" --owner=0 --group=0 -czf "$top/SOURCES/regional.tar.gz" regional
+tar -C "$repo/packaging" --owner=0 --group=0 -czf "$top/SOURCES/monitoring.tar.gz" monitoring
 cp "$here/edge-appliance.spec" "$top/SPECS/"
 rpmbuild -bb --quiet --define "_topdir $top" --define "appliance_version $version" \
     "$top/SPECS/edge-appliance.spec"

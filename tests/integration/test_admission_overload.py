@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from appliance.store import keys
-from tests import loopback
+from tests import loopback, monitoring
 from tests.support import RunningAppliance, send_raw, snapshot, start_appliance, wait_for
 
 pytestmark = pytest.mark.engine
@@ -421,6 +421,16 @@ def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small)
     assert ttft - stalled < 40 * step, report
     # The victim: a silver stream stopped for its prompt's recomputation, longer than gold ever paused.
     assert silver_pause > 2 * max(gold_gaps), report
+
+
+def test_the_alert_rules_and_the_dashboard_read_what_this_appliance_exports(small):
+    """Every metric packaging/monitoring/ names, but the regional ones (test_cascade.py), is in this live
+    appliance's /metrics: its own families and the engine's, speculation's included (still on here: the
+    next test turns it off)."""
+    app, _ = small
+    missing = lambda: monitoring.missing_from(loopback.get(f"{app.url}/metrics", timeout=60).text, regional=False)
+    wait_for(lambda: not missing(), 30, what="every metric the rules and the dashboard name",
+             explain=lambda: f"missing: {sorted(missing())}")
 
 
 def test_the_doctor_turns_decayed_speculation_off_and_relaunches_the_engine(small):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from appliance.store import keys
-from tests import loopback
+from tests import loopback, monitoring
 from tests.pd_cluster import PDCluster
 from tests.regional import FaultInjector, RegionalRecorder, marker
 from tests.support import RunningAppliance, start_appliance, wait_for
@@ -406,6 +406,13 @@ def test_blackholed_link_costs_one_timeout_not_one_per_request(site: Site):
     metrics = loopback.get(f"{site.url()}/metrics").text
     assert 'appliance_cascade_requests_total{outcome="queued"}' in metrics
     assert "appliance_outbox_oldest_age_seconds" in metrics and "appliance_regional_breaker_state" in metrics
+
+
+def test_the_alert_rules_and_the_dashboard_read_the_regional_figures_this_appliance_exports(site: Site):
+    """The regional families packaging/monitoring/ names are in the live /metrics of an appliance with a
+    regional cluster (the others: test_admission_overload.py)."""
+    text = loopback.get(f"{site.url()}/metrics", timeout=60).text
+    assert monitoring.missing_from(text, regional=True) == set()
 
 
 def test_cut_link_regional_only_model_is_503_with_retry_after(site: Site):

@@ -113,12 +113,17 @@ def test_umoci_unpacks_the_pinned_model_lock_and_sbom(image: Image, rootfs: Path
     sbom = (rootfs / "usr/share/edge-appliance/sbom.cdx.json").read_bytes()
     assert "sha256:" + hashlib.sha256(sbom).hexdigest() == labels["io.edge-appliance.sbom.digest"]
     assert (rootfs / "opt/models/default/config.json").is_file()
+    monitoring = rootfs / "usr/share/edge-appliance/monitoring"
+    assert (monitoring / "alerts.yml").read_bytes() == (REPO / "packaging/monitoring/alerts.yml").read_bytes()
+    assert (monitoring / "dashboard.json").is_file()
+    assert (rootfs / "opt/appliance/lib/python3.11/site-packages/appliance/ops/templates/status.html").is_file()
 
 
 def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, rootfs: Path, tmp_path: Path):
     state = tmp_path / "state"
     state.mkdir()
     _, secret = keys.create(state / "appliance.db", "podman-test")
+    _, admin = keys.create(state / "appliance.db", "technician", admin=True)
     for p in [state, *state.rglob("*")]:
         os.chown(p, 10001, 10001)  # the image's appliance user owns its volume
     port = free_port()
@@ -148,6 +153,9 @@ def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, rootfs: Pa
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert loopback.post(f"{url}/v1/chat/completions", json={}).status_code == 401  # keys off loopback
+        # the status page: its template and Jinja2 made it into the image; a browser's Basic credentials
+        page = loopback.get(f"{url}/", auth=("technician", admin), timeout=60)
+        assert page.status_code == 200 and '<span id="model">smollm2-135m-instruct</span>' in page.text, page.text[:500]
         logs = image.podman("logs", name)
         assert "engine kernels match the lock" in logs.stdout + logs.stderr
     finally:

@@ -40,7 +40,10 @@ def test_files_config_and_requirements(rpm_file: Path):
               # what `appliance doctor` names when the box has outgrown itself (appliance.ops.doctor.REGIONAL_ARTIFACTS)
               "/usr/share/doc/edge-appliance/regional/README.md",
               "/usr/share/doc/edge-appliance/regional/appliance-regional.toml",
-              "/usr/share/doc/edge-appliance/regional/objectives.yaml"]:
+              "/usr/share/doc/edge-appliance/regional/objectives.yaml",
+              # the fleet's monitoring (docs/operations.md), and the status page's template in the package
+              "/usr/share/edge-appliance/monitoring/alerts.yml", "/usr/share/edge-appliance/monitoring/dashboard.json",
+              f"/{SITELIB}/appliance/ops/templates/status.html"]:
         assert f in files, f
     assert q(rpm_file, "--configfiles").split() == ["/etc/appliance/appliance.toml"]
     flags = dict(line.rsplit(" ", 1) for line in q(rpm_file, "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]").splitlines()
