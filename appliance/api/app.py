@@ -123,6 +123,7 @@ def health_routes(gateway: Gateway) -> APIRouter:
         if gateway.metrics is None:
             raise ApiError(404, "metrics are not enabled in this daemon", code="not_found")
         gateway.metrics.observe_engine(supervisor.status)
+        gateway.metrics.held.set(gateway.held)
         if gateway.admission is not None:
             gateway.metrics.observe_admission(gateway.admission.load(), {
                 cls: c.ttft_target_s for cls, c in gateway.admission.cfg.classes.items()})
@@ -181,8 +182,8 @@ def page_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
     async def page() -> HTMLResponse:
         if plan is None or status is None or doctor is None:
             raise ApiError(404, "no status page in this daemon", code="not_found")
-        load: dict[str, Any] = {"requests": len(gateway.exchanges.snapshot()), "in_flight": {}, "queued": {},
-                                "kv_usage": None}
+        load: dict[str, Any] = {"requests": len(gateway.exchanges.snapshot()), "held": gateway.held,
+                                "in_flight": {}, "queued": {}, "kv_usage": None}
         if gateway.admission is not None:
             gate = gateway.admission.load()
             load |= {"in_flight": dict(gate.in_flight), "queued": dict(gate.queued), "kv_usage": gate.kv_usage}

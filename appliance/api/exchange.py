@@ -33,7 +33,7 @@ from appliance.store.requests import RequestLog, RequestRecord
 from cascade.policy import Decision
 from cascade.service import EscalationResult
 
-PHASES = ("admission", "engine", "streaming", "reading", "regional")
+PHASES = ("held", "admission", "engine", "streaming", "reading", "regional")
 
 
 @dataclass(eq=False)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.http_protocol import BODY_TIMED_OUT
 from appliance.api.intake import body_model, estimate_tokens, max_tokens, read_json, request_id
 from appliance.api.relay import EventFilter, refused_at_start
-from appliance.api.route_choice import Local, Refuse, Regional, choose_route
+from appliance.api.route_choice import Local, Refuse, Regional, Route, choose_route
 from appliance.api.routing import Routing
 from appliance.api.schemas import validate_body
 from appliance.api.splice import SplicedStream
@@ -72,6 +74,11 @@ class GatewaySettings:
     # The plan's word on tool_choice "auto" (kvbudget.tools): False where the chat template does not show
     # the model its tools, and such a request is refused rather than answered as if no tools were given.
     auto_tool_choice: bool = True
+    # While the engine restarts, a request that cannot go regionally waits this long for it (its class's
+    # own bound first), at most restart_hold_max requests at once; 0: refused with 503 at once.
+    restart_hold_s: float = 0.0
+    restart_hold_max: int = 0
+    class_restart_hold_s: Mapping[str, float] = dataclass_field(default_factory=dict)
 
 
 class Gateway:
@@ -85,6 +92,7 @@ class Gateway:
         self.metrics = metrics
         self.exchanges = Exchanges(request_log, metrics, admission)
         self.routing = Routing(cascade, settings.served_name, settings.retry_after_s)
+        self.held = 0  # requests waiting now for the engine to come back
         # The engine's only way in (appliance.engine.args) is its private Unix socket. Generation requests,
         # the hot path, go over a protocol of our own (appliance.api.engine_stream says why); the model
         # list over one pooled httpx client (no TLS there, so verify=False: no CA bundle parsed for nothing).
@@ -212,10 +220,18 @@ class Gateway:
             body[dialect.limit_field] = ex.max_tokens = limit
         ex.decision = self.routing.decide(request.headers, parsed.model, ex.prompt_tokens, ex.max_tokens,
                                           ex.tenant)
-        way = choose_route(ex.decision, model=parsed.model, served_name=self.settings.served_name,
-                           serves_regionally=self.routing.serves_regionally(parsed.model),
-                           engine_refusal=self._engine_refusal(), link_usable=self.routing.link_usable,
-                           escalable=dialect.cascade)
+
+        def route(engine_refusal: ApiError | None) -> Route:
+            return choose_route(ex.decision, model=parsed.model, served_name=self.settings.served_name,
+                                serves_regionally=self.routing.serves_regionally(parsed.model),
+                                engine_refusal=engine_refusal, link_usable=self.routing.link_usable,
+                                escalable=dialect.cascade)
+
+        refusal = self._engine_refusal()
+        way = route(refusal)
+        if isinstance(way, Refuse) and refusal is not None and way.error is refusal:
+            await self._hold_while_restarting(request, ex)
+            way = route(self._engine_refusal())  # on the engine's state now: back, or why it is not
         if isinstance(way, Refuse):
             raise way.error
         rec.model, rec.stream = parsed.model, bool(parsed.stream)
@@ -270,6 +286,31 @@ class Gateway:
         except ApiError as e:
             return e
         return None
+
+    async def _hold_while_restarting(self, request: Request, ex: Exchange) -> None:
+        """Hold a request the engine cannot answer while it restarts, rather than refuse it: wait for it to
+        serve again, up to the class's hold bound (GatewaySettings). No wait where there is no hold: a first
+        start, a supervisor that gave up, a bound of 0, too many held. A client leaving is ClientGone."""
+        hold = self.settings.class_restart_hold_s.get(ex.cls, self.settings.restart_hold_s)
+        if hold <= 0 or not self.supervisor.coming_back:
+            return
+        if self.held >= self.settings.restart_hold_max:
+            self._count_hold(ex.cls, "full")
+            return
+        ex.enter("held")
+        self.held += 1
+        try:
+            back = await race_disconnect(request, self.supervisor.until_ready(hold), discard=_nothing)
+        except ClientGone:
+            self._count_hold(ex.cls, "left")
+            raise
+        finally:
+            self.held -= 1
+        self._count_hold(ex.cls, "served" if back else "timed_out" if self.supervisor.coming_back else "gave_up")
+
+    def _count_hold(self, cls: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.holds.labels(cls, outcome).inc()
 
     async def _answer_locally(self, request: Request, ex: Exchange) -> Response:
         body = ex.body
@@ -382,3 +423,7 @@ def _give_back(gate: AdmissionGate) -> Any:
     async def give_back(ticket: Ticket) -> None:  # a slot granted to a client already gone
         gate.release(ticket)
     return give_back
+
+
+async def _nothing(_: object) -> None:
+    """Nothing to give back for a hold the client left (race_disconnect's discard)."""

@@ -56,7 +56,10 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
                         retry_after_s=cfg.server.retry_after_s, upstream_timeout_s=cfg.server.upstream_timeout_s,
                         default_class=cfg.admission.anonymous_class, max_choices=cfg.server.max_choices,
                         engine_socket=cfg.engine_socket,
-                        auto_tool_choice=site_plan.plan.tools is None or site_plan.plan.tools.auto),
+                        auto_tool_choice=site_plan.plan.tools is None or site_plan.plan.tools.auto,
+                        restart_hold_s=cfg.server.restart_hold_s, restart_hold_max=cfg.server.restart_hold_max,
+                        class_restart_hold_s={name: c.restart_hold_s for name, c in cfg.admission.classes.items()
+                                              if c.restart_hold_s is not None}),
         request_log, metrics, admission, cascade)
     # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
     watch = EngineWatch(gateway.client, lambda: supervisor.base_url if supervisor.ready else None,

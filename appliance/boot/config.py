@@ -91,6 +91,12 @@ class ServerSection(_Section):
     max_choices: Annotated[int, Field(ge=1, le=128)] = Field(default=4,
         description="Largest n (and best_of) a request may ask for; each choice is a sequence in the engine, "
                     "and admission counts it as one.")
+    restart_hold_s: Annotated[float, Field(ge=0)] = Field(default=60.0,
+        description="While the engine restarts (after a death, or relaunched on purpose), a new request that "
+                    "cannot go to the regional tier waits this long for it (per class: admission.classes.*."
+                    "restart_hold_s) before 503 with Retry-After; 0: 503 at once. Not during the first start.")
+    restart_hold_max: Annotated[int, Field(ge=0)] = Field(default=256,
+        description="Requests held at most while the engine restarts; past it, 503 with Retry-After at once.")
 
 
 class StateSection(_Section):
@@ -345,6 +351,8 @@ class ClassSection(_Section):
     reserved_share: Annotated[float, Field(ge=0, lt=1)] = Field(default=0.0,
         description="Share of capacity held for this class while it is active, lent to the others while "
                     "it is not, and taken back at once (the engine preempts lower classes) when it returns.")
+    restart_hold_s: Annotated[float, Field(ge=0)] | None = Field(default=None,
+        description="How long this class's requests wait for a restarting engine; unset: server.restart_hold_s.")
 
 
 def _default_classes() -> dict[PriorityClass, ClassSection]:

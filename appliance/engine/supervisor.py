@@ -184,6 +184,7 @@ class EngineSupervisor:
         self._engine_pgid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._changed = asyncio.Event()  # set, and replaced, at every state change (until_ready waits on it)
         self._failures: deque[float] = deque()
         self._relaunch_reason: str | None = None
 
@@ -196,6 +197,25 @@ class EngineSupervisor:
     @property
     def base_url(self) -> str | None:
         return self.launch.base_url if self.launch else None
+
+    @property
+    def coming_back(self) -> bool:
+        """The engine served and is expected to serve again: it died and is being restarted, or it is being
+        relaunched on purpose. Not a first start (its length is the model's load) nor a supervisor that
+        gave up."""
+        return self.status.state is EngineState.RESTARTING
+
+    async def until_ready(self, timeout: float) -> bool:
+        """Wait while the engine is coming back, at most `timeout` s: True once it serves, False when the
+        time is up or the supervisor gave up or stops."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.coming_back:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return self.ready
 
     def add_listener(self, fn: StateListener) -> None:
         self._listeners.append(fn)
@@ -419,6 +439,8 @@ class EngineSupervisor:
             self.status.since = time.time()
         self.status.state = state
         self.status.reason = reason
+        self._changed.set()
+        self._changed = asyncio.Event()
         for fn in self._listeners:
             try:
                 res = fn(self.status)

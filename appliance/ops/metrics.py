@@ -170,6 +170,11 @@ class Metrics:
                                  ["class"], registry=r)
         self.in_flight = Gauge("appliance_admission_in_flight", "Requests holding an engine slot", ["class"],
                                registry=r)
+        self.holds = Counter("appliance_restart_holds", "Requests held while the engine restarted, by how the hold "
+                             "ended: served (the engine came back), timed_out, gave_up (the supervisor did), left "
+                             "(the client did), full (server.restart_hold_max held already)", ["class", "outcome"],
+                             registry=r)
+        self.held = Gauge("appliance_restart_held", "Requests waiting now for the engine to come back", registry=r)
         self.ttft_target = Gauge("appliance_admission_ttft_target_seconds", "Each priority class's time-to-first-"
                                  "token target ([admission.classes.*] ttft_target_s)", ["class"], registry=r)
         self.forwarded = Counter("appliance_outbox_sends", "Forwarder sends by result: delivered, retry, "

@@ -27,7 +27,7 @@ class PageInputs:
     status: dict[str, Any]  # /v1/appliance/status
     plan: dict[str, Any]  # /v1/appliance/plan
     doctor: dict[str, Any]  # /v1/appliance/doctor
-    load: dict[str, Any]  # admission's in_flight and queued by class, requests held now
+    load: dict[str, Any]  # requests in the gateway, held for a restart, admission's in_flight and queued by class
     recent_errors: list[dict[str, Any]] = field(default_factory=list)  # request-log rows, newest first
 
 
