@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from datetime import datetime
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -229,6 +230,24 @@ def _stalled(app: RunningAppliance) -> float:
     return _metric(app, r"^appliance_event_loop_stall_seconds_sum (\S+)$")
 
 
+def _stall_windows(app: RunningAppliance) -> list[tuple[float, float]]:
+    """When the daemon's event loop stood still, on this process's monotonic clock: from its loop
+    monitor's log lines (a stall over a second is logged once the loop turns again, with its length),
+    each widened by the monitor's look interval on both sides."""
+    offset = time.time() - time.monotonic()
+    windows = []
+    for m in re.finditer(r"^(\S+ \S+) WARNING\s+appliance\.runtime\.loop_monitor: event loop turning again after "
+                         r"a ([\d.]+) s stall", app.log_text(), re.M):
+        end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - offset  # logged in local time
+        windows.append((end - float(m.group(2)) - 0.5, end + 0.5))
+    return windows
+
+
+def _gaps_outside(chunks: list[float], windows: list[tuple[float, float]]) -> list[float]:
+    """The gaps between consecutive chunks, but those that overlap one of the windows."""
+    return [b - a for a, b in pairwise(chunks) if not any(a < end and b > start for start, end in windows)]
+
+
 class _Steps:
     """When each step of a test began, for a failure message: which step the time went to."""
 
@@ -400,7 +419,9 @@ def test_gold_short_of_kv_blocks_makes_the_engine_preempt_silver_not_gold(small)
         gold.join(300)
         stalled = _stalled(app) - stalls_before
         assert gold.status == 200 and gold.ended_by_itself and not gold.errors, (gold.status, gold.errors, gold.failure)
-        gold_gaps = sorted(b - a for a, b in pairwise(gold.chunks))
+        # Gold's pauses, but those the daemon's stalls explain (CI at 2389c76: a 2.4 s stall of a starved
+        # daemon, 0 s of its CPU, once read as gold's preemption): those stop every stream, not one.
+        gold_gaps = sorted(_gaps_outside(gold.chunks, _stall_windows(app)))
         assert gold_gaps[-1] < 10 * gold_gaps[len(gold_gaps) // 2], \
             f"gold's answer stopped for {gold_gaps[-1]:.3f}s (its median step {gold_gaps[len(gold_gaps) // 2]:.3f}s): preempted"
         # vLLM counts a preemption when the preempted request next produces output (its event rides on that

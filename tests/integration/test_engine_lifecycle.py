@@ -1,4 +1,5 @@
-"""Supervisor behaviour with the real engine: death detected, 503 while down, restart, no orphans ever."""
+"""Supervisor behaviour with the real engine: death detected, requests held while it restarts (503 past
+their class's bound), restart, no orphans ever."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 import psutil
 import pytest
 
+from appliance.store import keys
 from tests import loopback
 from tests.support import NotifyListener, RunningAppliance, start_appliance, wait_for
 
@@ -60,7 +62,10 @@ def notify(tmp_path) -> NotifyListener:
 
 @pytest.fixture()
 def fresh(tmp_path, notify) -> RunningAppliance:
-    app = start_appliance(tmp_path / "app", env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"})
+    # Anonymous requests are silver, held up to server.restart_hold_s (60 s, longer than a CPU engine's
+    # restart); bronze's own bound is 1 s, so a bronze request sees the 503 a restart gives past the hold.
+    app = start_appliance(tmp_path / "app", env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"},
+                          extra="[admission.classes.bronze]\nrestart_hold_s = 1\n")
     yield app
     app.stop(signal.SIGKILL)
 
@@ -113,14 +118,29 @@ def test_engine_death_is_detected_served_503_then_healed_then_clean_stop(fresh: 
     assert engine["state"] == "restarting" and "SIGKILL" in engine["reason"]
     assert r.headers["retry-after"] == "3"
 
-    r = loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=10)
-    assert r.status_code == 503 and r.headers["retry-after"] == "3"
-    assert r.json()["error"]["code"] == "engine_not_ready"
+    # A silver request now is held until the engine is back, then answered; a bronze one gets the
+    # engine's 503 with Retry-After once its class's 1 s bound has passed.
+    held: list[httpx.Response] = []  # sent after /readyz said 503: only the new engine can answer it
+    holder = threading.Thread(target=lambda: held.append(
+        loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=300)))
+    holder.start()
+    _, bronze = keys.create(fresh.database, "bronze-client", priority_class="bronze")
+    t = time.monotonic()
+    r = loopback.post(f"{fresh.url}/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {bronze}"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+    assert r.json()["error"]["code"] == "engine_not_ready" and time.monotonic() - t >= 1.0
 
     assert wait_for(lambda: notify.has("STATUS=degraded: engine restarting", ready_at), 10, what="degraded STATUS")
     pings_before = notify.messages.count("WATCHDOG=1")
     # Self-healing: the supervisor starts a new engine and the API serves again.
     fresh.wait_ready(timeout=300)
+    holder.join(120)
+    assert not holder.is_alive(), "the held request was not answered after the engine came back"
+    assert held[0].status_code == 200, held[0].text
+    metrics = loopback.get(f"{fresh.url}/metrics").text
+    assert 'appliance_restart_holds_total{class="silver",outcome="served"} 1.0' in metrics
+    assert 'appliance_restart_holds_total{class="bronze",outcome="timed_out"} 1.0' in metrics
     assert notify.messages.count("WATCHDOG=1") > pings_before, "an engine restart is no reason to stop pinging"
     wait_for(lambda: notify.has("STATUS=serving", ready_at + 1), 10, what="serving STATUS after the restart")
     assert notify.messages.count("READY=1\n" + notify.messages[ready_at].split("\n", 1)[1]) == 1
