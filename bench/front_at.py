@@ -44,6 +44,12 @@ def main() -> None:
     daemon.request_log.start()
     server = cfg.server.model_copy(update={"port": port})
     print(f"front of {code_root} ({appliance.__file__}) on port {port}", flush=True)
+    try:  # the daemon settles its memory before serving from the commit that brought settle_memory on
+        from appliance.runtime.daemon import settle_memory
+    except ImportError:
+        pass
+    else:
+        settle_memory()
     uvloop.run(uvicorn.Server(server_config(daemon.app, server)).serve())
 
 
