@@ -67,6 +67,9 @@ local_only = true
 [policy.tenants.lab]
 escalate = "always"
 mode = "sync"
+
+[admission.classes.bronze]
+restart_hold_s = 0
 """
 
 
@@ -84,7 +87,9 @@ class Site:
 
     def start_edge(self) -> RunningAppliance:
         assert self.injector is not None
-        self.edge = start_appliance(self.root / "edge", extra=edge_toml(self.injector.port, self.token_file))
+        # held up to 240 s while the engine restarts (it can take longer than the default 60 s here)
+        self.edge = start_appliance(self.root / "edge", extra=edge_toml(self.injector.port, self.token_file),
+                                    server_extra="restart_hold_s = 240")
         return self.edge
 
     def url(self) -> str:
@@ -104,6 +109,7 @@ def site(tmp_path_factory):
         for tenant in ("default", "clinic", "lab"):
             s.keys[tenant] = keys.create(db, f"{tenant}-app", tenant=tenant)[1]
         s.keys["lab-gold"] = keys.create(db, "lab-urgent", tenant="lab", priority_class="gold")[1]
+        s.keys["bronze"] = keys.create(db, "kiosk", priority_class="bronze")[1]  # no restart hold
         s.keys["admin"] = keys.create(db, "ops", admin=True)[1]
         s.start_edge()
         s.regional.wait_ready()
@@ -488,10 +494,14 @@ def test_while_the_engine_restarts_escalation_is_the_fallback(site: Site):
     r = chat(site, f"While down {marker()}", headers={"X-Appliance-Escalate": "auto"})
     assert r.status_code == 200 and r.headers["x-appliance-answered-by"] == "regional", r.text
     assert r.headers["x-appliance-escalation-reason"] == "the local engine is not ready"
-    never = chat(site, "No escalation for me")  # policy default never: the honest 503
-    assert never.status_code == 503 and never.json()["error"]["code"] == "engine_not_ready"
+    # Policy default never: no escalation. Bronze holds nothing (restart_hold_s = 0): the honest 503 at once.
+    never = chat(site, "No escalation for me", tenant="bronze")
+    assert never.status_code == 503 and never.json()["error"]["code"] == "engine_not_ready", never.text
     assert int(never.headers["retry-after"]) >= 1
-    wait_for(lambda: loopback.get(f"{site.url()}/readyz").status_code == 200, 300, what="the engine to be back")
+    # Silver is held until the engine is back, and the engine answers it.
+    held = chat(site, f"Held for the engine {marker()}", timeout=300)
+    assert held.status_code == 200 and held.headers["x-appliance-answered-by"] == "local", held.text
+    assert loopback.get(f"{site.url()}/readyz").status_code == 200
 
 
 # -- the outbox bound and crash safety (last: it kills and restarts the edge appliance) -------------------

@@ -62,9 +62,11 @@ def notify(tmp_path) -> NotifyListener:
 
 @pytest.fixture()
 def fresh(tmp_path, notify) -> RunningAppliance:
-    # Anonymous requests are silver, held up to server.restart_hold_s (60 s, longer than a CPU engine's
-    # restart); bronze's own bound is 1 s, so a bronze request sees the 503 a restart gives past the hold.
+    # Anonymous requests are silver, held up to server.restart_hold_s (240 s here: a CPU engine's restart
+    # on a busy 2-core box may pass the default 60 s); bronze's own bound is 1 s, so a bronze request sees
+    # the 503 a restart gives past the hold.
     app = start_appliance(tmp_path / "app", env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "2000000"},
+                          server_extra="restart_hold_s = 240",
                           extra="[admission.classes.bronze]\nrestart_hold_s = 1\n")
     yield app
     app.stop(signal.SIGKILL)
