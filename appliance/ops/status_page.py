@@ -54,8 +54,7 @@ def age(seconds: float | None) -> str:
 def weights(plan: dict[str, Any]) -> str:
     """The weights as served: their bytes and, for a quantized checkpoint, its scheme."""
     model = plan.get("model") or {}
-    scheme = model.get("weight_format") or model.get("quantization")
-    return f"{size(model.get('weight_bytes'))}, {scheme or 'unquantized'}"
+    return f"{size(model.get('weight_bytes'))}, {model.get('weight_format') or 'unquantized'}"
 
 
 def render(inputs: PageInputs, *, now: float | None = None) -> str:

@@ -86,3 +86,17 @@ def test_the_metrics_carry_what_the_alert_rules_read(tmp_path: Path):
     assert free > 0
     targets = dict(re.findall(r'^appliance_admission_ttft_target_seconds\{class="(\w+)"\} (\S+)$', text, re.M))
     assert targets == {cls: str(float(c.ttft_target_s)) for cls, c in daemon.state.cfg.admission.classes.items()}
+
+
+def test_the_page_names_a_quantized_checkpoints_scheme(tmp_path: Path):
+    """The weights line reads the plan's own account of the checkpoint (kvbudget.render.plan_dict)."""
+    from dataclasses import replace
+
+    from appliance.ops.status_page import weights
+    from kvbudget.render import plan_dict
+
+    plan = _daemon(tmp_path).state.site_plan.plan
+    assert weights(plan_dict(plan)).endswith(", unquantized")
+    quantized = replace(plan, model=replace(plan.model, quantization="compressed-tensors",
+                                            weight_format="compressed-tensors/int-quantized"))
+    assert weights(plan_dict(quantized)).endswith(", compressed-tensors/int-quantized")
