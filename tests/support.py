@@ -144,12 +144,16 @@ def model_stand_in(parent: Path) -> Path:
     return folder
 
 
+# A safetensors file with no tensors: its header (an 8-byte length, then "{}") is what start-up reads.
+EMPTY_SAFETENSORS = b"\x02" + b"\0" * 7 + b"{}"
+
+
 def model_folder(parent: Path) -> Path:
     """What startup.runtime_problems looks for, and no more: a folder with config.json and a weights file."""
     folder = parent / "model"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    (folder / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     return folder
 
 
@@ -180,7 +184,7 @@ def short_private_dir() -> Path:
 def write_config(directory: Path, *, port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
                  extra: str = "", engine_extra: str = "", server_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
-                 model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB") -> Path:
+                 model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB", model_extra: str = "") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
     kv_toml = f'"{kv_cache_memory_bytes}"' if isinstance(kv_cache_memory_bytes, str) else str(kv_cache_memory_bytes)
@@ -189,6 +193,7 @@ def write_config(directory: Path, *, port: int | None = None,
 [model]
 path = "{model or default_model_path()}"
 served_name = "{served_name}"
+{model_extra}
 
 [server]
 host = "127.0.0.1"

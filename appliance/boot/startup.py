@@ -7,9 +7,11 @@ what the operator should do, never a traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from appliance.boot.config import Config
 from appliance.boot.model_pin import ModelCheck
@@ -43,7 +45,19 @@ def model_problems(cfg: Config) -> list[str]:
         return [f"model.path {mp} has no config.json: not a Hugging Face model folder"]
     if not any(mp.glob("*.safetensors")) and not any(mp.glob("*.bin")):
         return [f"model.path {mp} has no weight files (*.safetensors or *.bin)"]
-    return []
+    return _label_problems(mp)
+
+
+def _label_problems(mp: Path) -> list[str]:
+    """Weights the config mislabels, or a header that does not parse, refused before the engine starts."""
+    from kvbudget.checkpoint import CheckpointError, label_problem
+
+    try:
+        config = json.loads((mp / "config.json").read_text())
+        problem = label_problem(mp, config) if isinstance(config, dict) else "config.json is not a JSON object"
+    except ValueError as e:  # CheckpointError, or config.json that is not JSON
+        problem = str(e) if isinstance(e, CheckpointError) else f"config.json is not JSON ({e})"
+    return [f"model.path {mp}: {problem}"] if problem else []
 
 
 def _engine_problems(cfg: Config) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 
 from appliance.boot import config
 from appliance.boot.startup import runtime_problems
-from tests.support import REPO
+from tests.support import EMPTY_SAFETENSORS, REPO
 
 MINIMAL = '[model]\npath = "models/m"\n'
 
@@ -92,7 +92,7 @@ def test_config_check_command(tmp_path: Path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     good = tmp_path / "good.toml"
     good.write_text('[model]\npath = "m"\n[state]\ndirectory = "state"\n')
     r = _cli("config", "check", "--config", str(good))
@@ -132,7 +132,7 @@ def test_runtime_check_accepts_a_state_directory_it_will_create(tmp_path: Path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{tmp_path}/not/yet/there"\n')
     assert [str(p) for p in runtime_problems(cfg)] == []
     blocked = tmp_path / "file"

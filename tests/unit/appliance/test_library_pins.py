@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 
 from appliance.boot import config, library_pins
 from appliance.boot.startup import runtime_problems
-from tests.support import REPO
+from tests.support import EMPTY_SAFETENSORS, REPO
 
 
 def _pyproject_ranges() -> dict[str, str]:
@@ -45,7 +45,7 @@ def test_a_version_outside_the_pins_refuses_the_start(monkeypatch, tmp_path: Pat
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     cfg = config.parse(f'[model]\npath = "{model}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     assert runtime_problems(cfg) == [problem]
 
@@ -67,7 +67,7 @@ def test_serve_refuses_with_the_tested_range(tmp_path: Path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     cfg = tmp_path / "appliance.toml"
     cfg.write_text(f'[model]\npath = "{model}"\n[state]\ndirectory = "{tmp_path}/state"\n')
     r = subprocess.run([sys.executable, "-m", "appliance.cli", "serve", "--config", str(cfg)], capture_output=True,

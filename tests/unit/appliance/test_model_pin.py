@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 from kernels.manifest import MANIFEST_NAME, Manifest, build, compare
+from tests.support import EMPTY_SAFETENSORS
 
 
 def _model(tmp_path: Path) -> Path:
     m = tmp_path / "model"
     (m / "sub").mkdir(parents=True)
     (m / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    (m / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    # a readable header (start-up reads it) and then bytes standing in for the tensors
+    (m / "model.safetensors").write_bytes(EMPTY_SAFETENSORS + bytes(range(256)) * 64)
     (m / "sub" / "tokenizer.json").write_text("{}")
     return m
 
@@ -65,7 +67,7 @@ def test_pin_and_verify_commands(tmp_path):
     assert r.returncode == 0 and digest == build(m).digest and (m / MANIFEST_NAME).is_file()
     assert appliance("model", "verify", "--model", str(m)).returncode == 0
     data = bytearray((m / "model.safetensors").read_bytes())
-    data[7] ^= 0xFF
+    data[100] ^= 0xFF
     (m / "model.safetensors").write_bytes(bytes(data))
     r = appliance("model", "verify", "--model", str(m))
     assert r.returncode == 1 and "modified" in r.stdout and "model.safetensors" in r.stdout
