@@ -4,7 +4,7 @@ CONFIG ?= dev/appliance.toml
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup test-tools model run test test-unit lint bench bench-deps fuzz clean
+.PHONY: setup test-tools model run test test-unit lint bench bench-deps fuzz clean quantize-env
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ test-tools:
 model: setup
 	$(VENV)/bin/appliance model install-default
 
+# LLM Compressor's own environment (docs/quantization.md); `appliance model quantize` makes it when needed.
+quantize-env: setup
+	$(VENV)/bin/appliance model quantize-env
+
 run: model
 	$(VENV)/bin/appliance serve --config $(CONFIG)
 
@@ -29,7 +33,7 @@ test: model test-tools lint
 
 # ruff and mypy, configured in pyproject.toml (rules the code meets; tightened one at a time).
 lint: setup
-	$(VENV)/bin/ruff check appliance kvbudget cascade kernels tests bench
+	$(VENV)/bin/ruff check appliance kvbudget cascade kernels quantize tests bench
 	$(VENV)/bin/mypy
 
 test-unit: setup

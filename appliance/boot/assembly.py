@@ -32,11 +32,12 @@ from appliance.store.keys import KeyVerifier
 from appliance.store.requests import RequestLog, recent_errors
 from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
+from quantize.build import read_description
 
 
 def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
           kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None) -> Daemon:
-    state = SiteState(cfg, site_plan, model_check, kernel_check)
+    state = SiteState(cfg, site_plan, model_check, kernel_check, model_build=read_description(cfg.model.path))
     metrics = Metrics()
     if model_check is not None:
         metrics.model_info.labels(cfg.served_name, model_check.digest, str(model_check.ok).lower()).set(1)

@@ -17,3 +17,4 @@ class SiteState:
     model_check: ModelCheck | None = None  # the start-up checks' results, hashed once
     kernel_check: KernelCheck | None = None
     speculation_off: str | None = None  # why the daemon turned speculative decoding off, if it did
+    model_build: dict | None = None  # the build.json of a build `appliance model quantize` made, if it is one

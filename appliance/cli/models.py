@@ -85,3 +85,66 @@ def model_verify_cmd(config_path: Path | None, model: Path | None, digest: str |
     for d in result.differences:
         click.echo(f"  {d.problem:12} {d.path}")
     sys.exit(0 if result.ok else EXIT_FAILED)
+
+
+@model_group.command("quantize-env")
+@click.option("--env", "env_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The environment's folder (default: $APPLIANCE_QUANTIZE_ENV or ~/.cache/appliance/quantize-env).")
+def model_quantize_env(env_dir: Path | None) -> None:
+    """Set up the environment LLM Compressor runs in (once; about a minute), and print its python."""
+    click.echo(str(_quantize_python(env_dir)))
+
+
+def _quantize_python(env_dir: Path | None) -> Path:
+    from quantize import env
+
+    folder = env_dir or env.default_dir()
+    if not env.is_ready(folder):
+        click.echo(f"setting up LLM Compressor in {folder} (its own environment: its pins and the engine's "
+                   f"differ; once)...", err=True)
+    try:
+        return env.ensure(folder, folder.parent / f"{folder.name}.setup.log")
+    except env.QuantizeEnvError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
+
+
+@model_group.command("quantize")
+@config_option
+@click.argument("source", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--scheme", required=True, type=click.Choice(["w8a8-int8", "w4a16", "fp8-dynamic"]),
+              help="w8a8-int8: int8 weights and activations (CPU with VNNI/AMX, GPUs); w4a16: 4-bit weights "
+                   "(CPU, GPUs); fp8-dynamic: FP8, no calibration (GPUs with FP8 only).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The build's folder.")
+@click.option("--calibration", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="A JSONL file of {\"messages\": [...]} or {\"text\": ...} (default: the set the project ships).")
+@click.option("--calibration-from-log", is_flag=True,
+              help="Calibrate on the prompts this site's request log kept (needs state.log_prompts = true).")
+@click.option("--samples", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="Calibration conversations used at most.")
+@click.option("--env", "env_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="LLM Compressor's environment (default: $APPLIANCE_QUANTIZE_ENV or ~/.cache/appliance/quantize-env).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists (the old build stays until the new one is in place).")
+def model_quantize(config_path: Path | None, source: Path, scheme: str, out: Path, calibration: Path | None,
+                   calibration_from_log: bool, samples: int, env_dir: Path | None, force: bool) -> None:
+    """Quantize an unquantized model folder with LLM Compressor into --out, pinned; print its digest."""
+    from quantize import build
+    from quantize import calibration as cal
+
+    try:
+        if calibration_from_log:
+            data = cal.from_request_log(load_config(config_path).database_path, samples)
+        else:
+            data = cal.from_file(calibration) if calibration else cal.shipped()
+    except cal.CalibrationError as e:
+        raise CliError(str(e)) from None
+    python = _quantize_python(env_dir)
+    log = out.absolute().parent / f"{out.name}.quantize.log"
+    click.echo(f"quantizing {source} as {scheme} into {out} (LLM Compressor's log: {log})...", err=True)
+    try:
+        made = build.quantize(source, out, build.SCHEMES[scheme], python=python, calibration=data,
+                              samples=samples, log=log, force=force)
+    except build.BuildError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
+    click.echo(f"built {made.description['weight_format']} ({made.total_bytes:,} bytes) in {made.folder}; "
+               f"set model.path = \"{made.folder}\" and model.digest = \"{made.digest}\" to serve it", err=True)
+    click.echo(made.digest)

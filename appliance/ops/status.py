@@ -27,6 +27,8 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
             "digest": mc.digest if mc else None,
             "pinned": mc.pinned if mc else None,
             "matches_pin": mc.ok if mc and mc.pinned else None,
+            "weights": {"format": p.model.weight_format or None,
+                        "scheme": state.model_build.get("scheme") if state.model_build else None},
         },
         "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
                  "max_num_seqs": p.max_num_seqs,
