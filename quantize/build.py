@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
@@ -129,10 +130,16 @@ def _describe(source: Path, scheme: Scheme, spec: dict, calibration: Calibration
             "calibration": cal, "tools": tools["tools"], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+# A quality gate: given the source and the finished build, what it measured (kept in build.json), or a
+# BuildError when the build loses more than its bound (quantize.compare.gate).
+Gate = Callable[[Path, Path], dict]
+
+
 def quantize(source: Path, out: Path, scheme: Scheme, *, python: Path, calibration: Calibration | None,
-             samples: int = 64, max_seq_length: int = 512, log: Path, force: bool = False) -> Built:
+             samples: int = 64, max_seq_length: int = 512, log: Path, force: bool = False,
+             gate: Gate | None = None) -> Built:
     """Quantize source into out. The build is made in a hidden folder beside out and renamed into place
-    only once it reads as a quantized model and carries its build.json and pin."""
+    only once it reads as a quantized model, passed the gate, and carries its build.json and pin."""
     from appliance.boot import model_pin
 
     source, out = source.resolve(), out.absolute()
@@ -159,6 +166,7 @@ def quantize(source: Path, out: Path, scheme: Scheme, *, python: Path, calibrati
             f.chmod(0o644)
         used = calibration if scheme.algorithm == "gptq" else None
         description = _describe(source, scheme, spec, used, tools, weight_format)
+        description["gate"] = gate(source, partial) if gate is not None else None
         (partial / BUILD_FILE).write_text(json.dumps(description, indent=2) + "\n")
         manifest = model_pin.pin(partial)
         _move_into_place(partial, out)

@@ -30,14 +30,7 @@ def _recipe(spec: dict):
 
     modifier = GPTQModifier if spec["algorithm"] == "gptq" else QuantizationModifier
     if spec["group_size"] is None:
-        quantize = modifier(targets="Linear", scheme=spec["preset"], ignore=spec["ignore"])
-        if not spec.get("smoothing"):
-            return quantize
-        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
-
-        # Activations quantized per token suffer from a few outlier channels; SmoothQuant moves part of
-        # their range into the weights first (LLM Compressor's own W8A8 int8 recipe).
-        return [SmoothQuantModifier(smoothing_strength=spec["smoothing"]), quantize]
+        return modifier(targets="Linear", scheme=spec["preset"], ignore=spec["ignore"])
     # The W4A16 preset fixes groups of 128 columns; a model whose layers are not multiples of that (the
     # default model's 576) gets the group the appliance chose from its shapes.
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",

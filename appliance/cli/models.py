@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -20,20 +21,49 @@ def model_group() -> None:
               help="Target folder (default: $APPLIANCE_MODEL_CACHE or ~/.cache/appliance/models/SmolLM2-135M-Instruct).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--force", is_flag=True, help="Convert again even if the folder exists.")
-def model_install_default(dest: Path | None, dtype: str, force: bool) -> None:
+@click.option("--quantize", "scheme", type=click.Choice(["w8a8-int8", "w4a16"]), default=None,
+              help="Also build this quantized scheme of it beside it (gated like `model quantize`), and print that "
+                   "folder's path instead.")
+def model_install_default(dest: Path | None, dtype: str, force: bool, scheme: str | None) -> None:
     """Convert the shipped SmolLM2-135M-Instruct GGUF to an HF folder once, and print its path."""
     from appliance.boot.default_model import DefaultModelError, default_model_dir, install_default, is_converted
 
     target = dest or default_model_dir()
-    if is_converted(target) and not force:
-        click.echo(str(target))
-        return
-    click.echo(f"converting the embedded default model into {target} (once; about a minute)...", err=True)
+    if not is_converted(target) or force:
+        click.echo(f"converting the embedded default model into {target} (once; about a minute)...", err=True)
+        try:
+            install_default(target, dtype=dtype, force=force)
+        except DefaultModelError as e:
+            raise CliError(str(e), EXIT_FAILED) from None
+    click.echo(str(_quantized_default(target, scheme) if scheme else target))
+
+
+# The default build's gate: the shipped set has 48 questions, so one flipped answer moves accuracy by 2.1
+# points and hosts' arithmetic differs by about that much; a 10-point bound refuses a broken build, not
+# noise (this host's w8a8-int8 build lost 4.2, docs/quantization.md).
+DEFAULT_GATE_LOSS = 0.10
+
+
+def _quantized_default(source: Path, scheme: str) -> Path:
+    """The default's quantized build (made once, gated on the shipped questions; kept while its pin holds)."""
+    from appliance.boot import model_pin
+    from quantize import build, calibration, compare
+
+    out = source.parent / f"{source.name}-{scheme}"
+    if build.read_description(out) is not None and model_pin.check(out, None).ok:
+        return out
+    log = source.parent / f"{out.name}.quantize.log"
+    click.echo(f"building the default model's {scheme} build into {out} (once; a few minutes: LLM Compressor, then "
+               f"the engine answers the shipped questions with both builds; log: {log})...", err=True)
+    gate = compare.gate(compare.read_eval(compare.SHIPPED_EVAL), DEFAULT_GATE_LOSS, eval_source="the shipped set",
+                        log=log)
     try:
-        path = install_default(target, dtype=dtype, force=force)
-    except DefaultModelError as e:
-        raise CliError(str(e), EXIT_FAILED) from None
-    click.echo(str(path))
+        build.quantize(source, out, build.SCHEMES[scheme], python=_quantize_python(None),
+                       calibration=calibration.shipped(), log=log, force=True, gate=gate)
+    except build.BuildError as e:
+        raise CliError(f"{e}\nthe unquantized default still serves: set model.path = \"{source}\" in the "
+                       "configuration (dev/appliance.toml for make run)", EXIT_FAILED) from None
+    return out
 
 
 def _model_folder(config_path: Path | None, model: Path | None) -> tuple[Path, str | None]:
@@ -124,10 +154,19 @@ def _quantize_python(env_dir: Path | None) -> Path:
 @click.option("--env", "env_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="LLM Compressor's environment (default: $APPLIANCE_QUANTIZE_ENV or ~/.cache/appliance/quantize-env).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (the old build stays until the new one is in place).")
+@click.option("--eval", "eval_file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="The quality gate's questions, as for `model compare` (default: the short set the project ships).")
+@click.option("--max-loss", type=click.FloatRange(0, 1), default=0.05, show_default=True,
+              help="The gate: refuse the build when it loses more accuracy than this against the source.")
+@click.option("--no-gate", is_flag=True, help="Place the build without serving it against the source first.")
 def model_quantize(config_path: Path | None, source: Path, scheme: str, out: Path, calibration: Path | None,
-                   calibration_from_log: bool, samples: int, env_dir: Path | None, force: bool) -> None:
-    """Quantize an unquantized model folder with LLM Compressor into --out, pinned; print its digest."""
-    from quantize import build
+                   calibration_from_log: bool, samples: int, env_dir: Path | None, force: bool,
+                   eval_file: Path | None, max_loss: float, no_gate: bool) -> None:
+    """Quantize an unquantized model folder with LLM Compressor into --out, pinned; print its digest.
+
+    Unless --no-gate, the engine serves the source and then the build on an eval set first, and a build
+    that loses more than --max-loss is refused (nothing is placed)."""
+    from quantize import build, compare
     from quantize import calibration as cal
 
     try:
@@ -135,16 +174,49 @@ def model_quantize(config_path: Path | None, source: Path, scheme: str, out: Pat
             data = cal.from_request_log(load_config(config_path).database_path, samples)
         else:
             data = cal.from_file(calibration) if calibration else cal.shipped()
-    except cal.CalibrationError as e:
+        questions = compare.read_eval(eval_file or compare.SHIPPED_EVAL)
+    except (cal.CalibrationError, compare.CompareError) as e:
         raise CliError(str(e)) from None
     python = _quantize_python(env_dir)
     log = out.absolute().parent / f"{out.name}.quantize.log"
-    click.echo(f"quantizing {source} as {scheme} into {out} (LLM Compressor's log: {log})...", err=True)
+    gate = None if no_gate else compare.gate(questions, max_loss, eval_source=str(eval_file or "the shipped set"),
+                                             log=log)
+    click.echo(f"quantizing {source} as {scheme} into {out} (log: {log})...", err=True)
     try:
         made = build.quantize(source, out, build.SCHEMES[scheme], python=python, calibration=data,
-                              samples=samples, log=log, force=force)
+                              samples=samples, log=log, force=force, gate=gate)
     except build.BuildError as e:
         raise CliError(str(e), EXIT_FAILED) from None
+    if made.description["gate"]:
+        g = made.description["gate"]
+        click.echo(f"gate passed: loses {g['loss']:.1%} (bound {g['max_loss']:.1%}), {g['agreement']:.0%} of answers "
+                   f"agree with the source's", err=True)
     click.echo(f"built {made.description['weight_format']} ({made.total_bytes:,} bytes) in {made.folder}; "
                f"set model.path = \"{made.folder}\" and model.digest = \"{made.digest}\" to serve it", err=True)
     click.echo(made.digest)
+
+
+@model_group.command("compare")
+@click.argument("a", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("b", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--eval", "eval_file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help='JSONL of {"messages": [...]} or {"prompt": "..."} with optional "answers": [...] '
+                   "(default: the short set the project ships).")
+@click.option("--kv-dtype-b", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="B's KV cache dtype (A runs auto): compares FP8 KV with the model's own dtype when A = B.")
+@click.option("--max-loss", type=click.FloatRange(0, 1), default=None,
+              help="Exit 1 when B loses more than this share of accuracy (or of agreement, without answers).")
+def model_compare(a: Path, b: Path, eval_file: Path | None, kv_dtype_b: str, max_loss: float | None) -> None:
+    """Serve A, then B, with the engine; the same questions to both: accuracy, agreement, tokens/s, memory."""
+    from quantize import compare as cmp
+
+    try:
+        items = cmp.read_eval(eval_file or cmp.SHIPPED_EVAL)
+        log = Path(tempfile.mkdtemp(prefix="appliance-compare-")) / "engine.log"
+        click.echo(f"serving each build in turn (engine log: {log})...", err=True)
+        result = cmp.compare(a, b, items, log=log, kv_dtype_b=kv_dtype_b)
+    except cmp.CompareError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
+    click.echo(result.render())
+    if max_loss is not None and result.loss > max_loss:
+        raise CliError(f"B loses {result.loss:.1%}, more than --max-loss {max_loss:.1%}", EXIT_FAILED)

@@ -1,6 +1,7 @@
 """Quantized builds for real (issue 32): `appliance model quantize` makes each scheme vLLM's CPU build runs
-from the embedded default (LLM Compressor in its own environment, the shipped calibration set), and the
-appliance serves it pinned through the real engine, which picks the scheme's CPU kernel and answers. The
+from the embedded default (LLM Compressor in its own environment, the shipped calibration set; for
+w8a8-int8, the scheme make run serves, through its quality gate), and the appliance serves it pinned
+through the real engine, which picks the scheme's CPU kernel and answers. The
 plan's weight bytes are compared with the checkpoint size vLLM logs loading it. A mislabeled copy of a
 build is refused at start, before any engine runs.
 
@@ -36,13 +37,13 @@ def quantize_env() -> Path:
     return Path(base) / "appliance" / "test-quantize-env"
 
 
-def quantize(out: Path, scheme: str) -> str:
+def quantize(out: Path, scheme: str, *options: str) -> tuple[str, str]:
     run = subprocess.run([sys.executable, "-m", "appliance.cli", "model", "quantize", str(default_model_path()),
-                          "--scheme", scheme, "--out", str(out)], cwd=REPO, capture_output=True,
+                          "--scheme", scheme, "--out", str(out), *options], cwd=REPO, capture_output=True,
                          text=True, timeout=1200, env=dict(os.environ, APPLIANCE_QUANTIZE_ENV=str(quantize_env())))
     log = out.parent / f"{out.name}.quantize.log"
     assert run.returncode == 0, run.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
-    return run.stdout.strip().splitlines()[-1]
+    return run.stdout.strip().splitlines()[-1], run.stderr
 
 
 @pytest.fixture(scope="module", params=sorted(KERNEL))
@@ -50,7 +51,10 @@ def served(request, tmp_path_factory):
     scheme = request.param
     work = tmp_path_factory.mktemp(f"quantized-{scheme}")
     build = work / f"smollm2-{scheme}"
-    digest = quantize(build, scheme)
+    # The gate (the engine answering the shipped questions with the source and the build) on the scheme
+    # make run serves, with make run's bound; the other placed without it, to keep the suite's time.
+    digest, said = quantize(build, scheme, *(("--max-loss", "0.10") if scheme == "w8a8-int8" else ("--no-gate",)))
+    assert ("gate passed" in said) == (scheme == "w8a8-int8"), said
     app = start_appliance(work / "app", model=build, model_extra=f'digest = "{digest}"')
     try:
         app.wait_ready()
@@ -65,6 +69,9 @@ def test_the_build_says_what_it_is_and_matches_its_pin(served):
     assert described["scheme"] == scheme and described["calibration"]["source"] == "shipped"
     assert described["tools"]["llmcompressor"] == "0.14.0" and described["source"]["digest"].startswith("sha256:")
     assert (scheme == "w4a16") == (described["group_size"] == 64)  # 576 columns: groups of 128 do not fit
+    if scheme == "w8a8-int8":  # what the gate measured, kept with the build
+        gate = described["gate"]
+        assert gate["questions"] >= 40 and gate["loss"] <= gate["max_loss"] == 0.10 and gate["accuracy_source"] > 0.3
     quant = json.loads((build / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "compressed-tensors"
     status = loopback.get(f"{app.url}/v1/appliance/status").json()
