@@ -138,3 +138,17 @@ def weight_kernel_refusal(weight_format: str, isa: CpuIsa) -> str | None:
     if "fp8" in parts and "block" in parts and not has_amx(isa):
         return f"block-scaled FP8 weights need AMX tiles on vLLM's CPU backend; this host is {isa}"
     return None
+
+
+def weight_kernel_note(weight_format: str) -> str | None:
+    """What a plan should say of weights vLLM's CPU build serves, but slowly: per-channel FP8 (FP8_DYNAMIC,
+    compressed-tensors' float-quantized) has no CPU matrix kernel, and its products fall back to
+    torch._scaled_mm, about one token per 50 s for a 135M model in a trial on an AMX Xeon. The block-scaled
+    FP8 kernel is the AMX one weight_kernel_refusal allows."""
+    parts = set(weight_format.replace("+", "/").split("/"))
+    if ("float-quantized" in parts or "fp8" in parts) and "block" not in parts:
+        return ("per-channel FP8 weights load on vLLM's CPU build but have no CPU matrix kernel (torch._scaled_mm: "
+                "about a token per 50 s for a 135M model): for a CPU host, build w8a8-int8 or w4a16 from the "
+                "unquantized model with `appliance model quantize`")
+    return None
+

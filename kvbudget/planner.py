@@ -183,6 +183,9 @@ def _cpu_rules(model: ModelShape, targets: Targets, platform: Platform, notes: l
     refusal = cpu.weight_kernel_refusal(model.weight_format, platform.isa)
     if refusal:
         raise PlanError(f"{model.name} cannot run on this CPU: {refusal}")
+    slow = cpu.weight_kernel_note(model.weight_format)
+    if slow:
+        notes.append(slow)
     if model.mla_latent_dim and targets.prefix_caching and not cpu.mla_keeps_prefix_caching(platform.isa):
         # vLLM's CPU platform forces both off for MLA models without AMX (CpuPlatform.check_and_update_config).
         notes.append(f"vLLM's CPU backend turns prefix caching (and chunked prefill) off for MLA models "

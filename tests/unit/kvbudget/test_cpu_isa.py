@@ -86,7 +86,9 @@ def test_weights_without_a_cpu_kernel_are_refused_by_name():
         _plan("qwen3.6-27b-fp8", "avx2")
     with pytest.raises(PlanError, match="NVFP4 weights have no kernel"):
         _plan("llama-3.1-8b-instruct-nvfp4", "amx")
-    assert _plan("llama-3.1-8b-instruct-fp8-dynamic", "avx2").fits  # per-channel FP8 runs everywhere
+    fp8 = _plan("llama-3.1-8b-instruct-fp8-dynamic", "avx2")  # per-channel FP8 runs everywhere, slowly
+    assert fp8.fits and any("per-channel FP8 weights" in n and "w8a8-int8" in n for n in fp8.notes)
+    assert not any("per-channel FP8" in n for n in _plan("qwen3.6-27b-fp8", "amx").notes)  # AMX's block kernel
 
 
 def test_the_daemon_plans_for_the_host_s_level_and_a_bad_forced_one_is_a_planning_error(tmp_path, monkeypatch):
