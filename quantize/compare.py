@@ -134,7 +134,9 @@ def served(folder: Path, *, python: str, log: Path, kv_dtype: str = "auto",
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "m",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", "16",
             "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes), "--kv-cache-dtype", kv_dtype]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # INFO: the KV cache line is read from the log (as the daemon does, appliance.engine.args.engine_env).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CONFIGURE_LOGGING": "1",
+           "VLLM_LOGGING_LEVEL": "INFO"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     with log.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -88,6 +88,11 @@ def engine_env(base_env: Mapping[str, str], cache_root: Path, rpc_dir: Path) -> 
     # VLLM_CPU_KVCACHE_SPACE silently overrides --kv-cache-memory-bytes on the CPU
     # backend (docs/engine-notes.md); the planned figure must win.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # The daemon reads vLLM's INFO lines (the KV capacity it checks against the plan, the attention backend,
+    # the weight kernel): a quieter level inherited from the environment would blind it. DEBUG is kept.
+    env["VLLM_CONFIGURE_LOGGING"] = "1"
+    if env.get("VLLM_LOGGING_LEVEL", "INFO").upper() != "DEBUG":
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     return env
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from appliance.boot import config
 from appliance.engine.args import build_launch, describe, engine_settings
 
@@ -58,6 +60,15 @@ def test_environment_is_offline_and_the_key_is_not_on_the_command_line():
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_CACHE_ROOT"] == str(Path("/var/lib/appliance/engine-cache"))
     assert env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize("inherited,level", [({}, "INFO"), ({"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_CONFIGURE_LOGGING": "0"},
+                                                               "INFO"), ({"VLLM_LOGGING_LEVEL": "debug"}, "debug")])
+def test_the_engine_logs_the_info_lines_the_daemon_reads(inherited: dict, level: str):
+    """A quieter level inherited (kvbudget/vllm_probe.py sets ERROR where it is imported) would hide the KV
+    capacity and kernel lines; the suite's engines started after such an import logged nothing at INFO."""
+    env = build_launch(_cfg(), engine_settings(_cfg(), PLAN).args, internal_key="k", base_env=inherited).env
+    assert env["VLLM_LOGGING_LEVEL"] == level and env["VLLM_CONFIGURE_LOGGING"] == "1"
 
 
 def test_extra_args_and_eager_are_appended():
