@@ -123,6 +123,11 @@ def kv_dtype_refusal(want: str, head_dim: int, mla: bool, isa: CpuIsa) -> str | 
     return None
 
 
+def _format_parts(weight_format: str) -> set[str]:
+    """ModelShape.weight_format ("method/algo/format[+block]") as its parts."""
+    return set(weight_format.replace("+", "/").split("/"))
+
+
 def weight_kernel_refusal(weight_format: str, isa: CpuIsa) -> str | None:
     """Why vLLM's CPU build has no kernel for a checkpoint's weights on this host, or None.
 
@@ -130,7 +135,7 @@ def weight_kernel_refusal(weight_format: str, isa: CpuIsa) -> str | None:
     (CPUFp8BlockScaledMMKernel) and MXFP4 MoE experts need AMX tiles; NVFP4 has no CPU kernel. Per-channel
     FP8, AWQ/GPTQ and compressed-tensors integer formats have kernels at every level.
     """
-    parts = set(weight_format.replace("+", "/").split("/"))
+    parts = _format_parts(weight_format)
     if any("nvfp4" in p for p in parts):
         return "NVFP4 weights have no kernel in vLLM's CPU build (a Blackwell GPU format)"
     if "mxfp4" in parts and not has_amx(isa):
@@ -145,10 +150,9 @@ def weight_kernel_note(weight_format: str) -> str | None:
     compressed-tensors' float-quantized) has no CPU matrix kernel, and its products fall back to
     torch._scaled_mm, about one token per 50 s for a 135M model in a trial on an AMX Xeon. The block-scaled
     FP8 kernel is the AMX one weight_kernel_refusal allows."""
-    parts = set(weight_format.replace("+", "/").split("/"))
+    parts = _format_parts(weight_format)
     if ("float-quantized" in parts or "fp8" in parts) and "block" not in parts:
         return ("per-channel FP8 weights load on vLLM's CPU build but have no CPU matrix kernel (torch._scaled_mm: "
                 "about a token per 50 s for a 135M model): for a CPU host, build w8a8-int8 or w4a16 from the "
                 "unquantized model with `appliance model quantize`")
     return None
-

@@ -120,10 +120,9 @@ def _describe(source: Path, scheme: Scheme, spec: dict, calibration: Calibration
               weight_format: str) -> dict:
     cal = None
     if calibration is not None:
-        text = "".join(json.dumps(i, ensure_ascii=False) + "\n" for i in calibration.items)
         cal = {"source": calibration.source, "items": len(calibration.items), "samples": spec["calibration"]["samples"],
                "max_seq_length": spec["calibration"]["max_seq_length"],
-               "sha256": sha256(text.encode()).hexdigest()}
+               "sha256": sha256(calibration.jsonl().encode()).hexdigest()}
     return {"scheme": scheme.name, "preset": scheme.preset, "algorithm": scheme.algorithm,
             "group_size": spec["group_size"], "ignore": spec["ignore"], "weight_format": weight_format,
             "runs_on": scheme.runs_on, "source": {"path": str(source), "digest": manifest_of(source).digest},
@@ -148,6 +147,8 @@ def quantize(source: Path, out: Path, scheme: Scheme, *, python: Path, calibrati
         raise BuildError(f"{out} exists; choose another --out or pass --force to replace it")
     if scheme.algorithm == "gptq" and calibration is None:
         raise BuildError(f"{scheme.name} is calibrated (GPTQ): it needs calibration conversations")
+    if scheme.algorithm != "gptq":
+        calibration = None  # round to nearest reads no data: none is written, none described
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -157,15 +158,13 @@ def quantize(source: Path, out: Path, scheme: Scheme, *, python: Path, calibrati
             conversations = None
             if calibration is not None:
                 conversations = work / "calibration.jsonl"
-                calibration.write(conversations)
-            spec = _spec(source, partial, scheme, config, conversations if scheme.algorithm == "gptq" else None,
-                         samples, max_seq_length)
+                conversations.write_text(calibration.jsonl())
+            spec = _spec(source, partial, scheme, config, conversations, samples, max_seq_length)
             tools = _run_worker(python, spec, work, log)
         weight_format = _check_output(partial)
         for f in partial.iterdir():  # torch writes the weights 0600; the engine runs as another user
             f.chmod(0o644)
-        used = calibration if scheme.algorithm == "gptq" else None
-        description = _describe(source, scheme, spec, used, tools, weight_format)
+        description = _describe(source, scheme, spec, calibration, tools, weight_format)
         description["gate"] = gate(source, partial) if gate is not None else None
         (partial / BUILD_FILE).write_text(json.dumps(description, indent=2) + "\n")
         manifest = model_pin.pin(partial)

@@ -13,6 +13,8 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantize.jsonl import numbered_lines
+
 SHIPPED = Path(__file__).with_name("calibration.jsonl")
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -26,8 +28,9 @@ class Calibration:
     items: tuple[dict, ...]
     source: str  # "shipped", or the request log's path
 
-    def write(self, path: Path) -> None:
-        path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in self.items))
+    def jsonl(self) -> str:
+        """What the worker reads (one item per line); its sha256 goes into build.json."""
+        return "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in self.items)
 
 
 def shipped() -> Calibration:
@@ -66,13 +69,7 @@ def _item(route: str, prompt: str) -> dict | None:
 
 def from_file(path: Path) -> Calibration:
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise CalibrationError(f"{path}:{n}: not JSON ({e})") from None
+    for n, item in numbered_lines(path, CalibrationError):
         if not (isinstance(item, dict) and (isinstance(item.get("text"), str) or _is_messages(item.get("messages")))):
             raise CalibrationError(f'{path}:{n}: each line must be {{"messages": [{{"role", "content"}}, ...]}} '
                                    'or {"text": "..."}')

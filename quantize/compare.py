@@ -12,12 +12,13 @@ the set has no answers, the share of answers that disagree.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +28,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from appliance.engine.args import engine_env
 from cascade.labels import agreement, normalise
+from quantize.jsonl import numbered_lines
 
 SHIPPED_EVAL = Path(__file__).with_name("eval.jsonl")
 _TIMED_TOKENS = 64
@@ -55,15 +58,12 @@ class EvalItem:
 
 def read_eval(path: Path) -> list[EvalItem]:
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, raw in numbered_lines(path, CompareError):
         try:
-            raw = json.loads(line)
             messages = raw["messages"] if "messages" in raw else [{"role": "user", "content": raw["prompt"]}]
             items.append(EvalItem(tuple(messages), tuple(str(a) for a in raw.get("answers", ())),
                                   tuple(str(w) for w in raw.get("wrong", ()))))
-        except (ValueError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise CompareError(f'{path}:{n}: each line must be {{"messages": [...]}} or {{"prompt": "..."}}, with '
                                f'optional "answers" and "wrong": [...] ({e})') from None
     if not items:
@@ -134,10 +134,10 @@ def served(folder: Path, *, python: str, log: Path, kv_dtype: str = "auto",
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "m",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--max-num-seqs", "16",
             "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes), "--kv-cache-dtype", kv_dtype]
-    # INFO: the KV cache line is read from the log (as the daemon does, appliance.engine.args.engine_env).
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CONFIGURE_LOGGING": "1",
-           "VLLM_LOGGING_LEVEL": "INFO"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # The daemon's own engine environment (offline, INFO logging: the KV cache line is read from the log,
+    # the planned pool winning), vLLM's default compile cache, its ZeroMQ sockets in a private folder.
+    rpc_dir = Path(tempfile.mkdtemp(prefix="ae-compare-"))
+    env = engine_env(os.environ, Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm"), rpc_dir)
     with log.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -152,6 +152,7 @@ def served(folder: Path, *, python: str, log: Path, kv_dtype: str = "auto",
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait()
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:

@@ -55,8 +55,10 @@ def _label_problems(mp: Path) -> list[str]:
     try:
         config = json.loads((mp / "config.json").read_text())
         problem = label_problem(mp, config) if isinstance(config, dict) else "config.json is not a JSON object"
-    except ValueError as e:  # CheckpointError, or config.json that is not JSON
-        problem = str(e) if isinstance(e, CheckpointError) else f"config.json is not JSON ({e})"
+    except CheckpointError as e:
+        problem = str(e)
+    except ValueError as e:
+        problem = f"config.json is not JSON ({e})"
     return [f"model.path {mp}: {problem}"] if problem else []
 
 

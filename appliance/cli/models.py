@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from appliance.cli.common import EXIT_FAILED, CliError, config_option, load_config
+from quantize.build import SCHEMES
 
 
 @click.group("model")
@@ -141,7 +142,7 @@ def _quantize_python(env_dir: Path | None) -> Path:
 @model_group.command("quantize")
 @config_option
 @click.argument("source", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("--scheme", required=True, type=click.Choice(["w8a8-int8", "w4a16", "fp8-dynamic"]),
+@click.option("--scheme", required=True, type=click.Choice(list(SCHEMES)),
               help="w8a8-int8: int8 weights and activations (CPU with VNNI/AMX, GPUs); w4a16: 4-bit weights "
                    "(CPU, GPUs); fp8-dynamic: FP8, no calibration (GPUs with FP8 only).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The build's folder.")
