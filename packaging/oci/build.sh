@@ -22,6 +22,20 @@ base="localhost/edge-appliance-base:bookworm"
 bh=(buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs)
 say() { printf '==> %s\n' "$*" >&2; }
 
+# vfs keeps whole copies: the working container, the committed layer and its diff on the way, then the
+# exported blob. Measured: about 4x the environment at the peak (15.6 GB for a 3.9 GB one). A disk that
+# runs out mid-build fails deep inside buildah ("no space left on device"); say it here instead.
+prefix="$("$py" -c 'import sys; print(sys.prefix)')"
+env_mib=$(du -sm "$prefix" | cut -f1)
+need_mib=$(( env_mib * 4 + 1024 ))
+free_mib=$(df -Pm "$work" | awk 'NR == 2 {print $4}')
+if (( free_mib < need_mib )); then
+    echo "error: building the image needs about $(( need_mib / 1024 )) GiB free under $work (buildah's vfs storage" \
+         "keeps about four copies of the $(( env_mib / 1024 )) GiB engine environment); $(( free_mib / 1024 )) GiB" \
+         "are free: free some space or give a WORKDIR on a larger disk" >&2
+    exit 1
+fi
+
 if ! "${bh[@]}" inspect --type image "$base" >/dev/null 2>&1; then
     say "making the base image with debootstrap (once per WORKDIR)"
     rm -rf "$work/rootfs"
@@ -41,7 +55,6 @@ fi
 say "preparing the build context"
 ctx="$work/context"
 rm -rf "$ctx" && mkdir -p "$ctx/appliance" "$ctx/venv"
-prefix="$("$py" -c 'import sys; print(sys.prefix)')"
 # The engine environment as installed: site-packages and the files packages put beside it (intel-openmp's
 # libraries in lib/, for one); without its scripts (their #! names this host's interpreter), this
 # checkout's editable install and byte-code caches. Hard-linked where it can be, not copied: it is ~4 GB,
