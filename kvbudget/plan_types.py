@@ -22,6 +22,7 @@ from kvbudget.model import ModelShape
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import GpuProfile
 from kvbudget.tools import ToolCalling
+from kvbudget.weights import WeightChoice, WeightTarget
 
 Workload = Literal["chat", "code", "long-context", "tool-calling"]
 WORKLOADS: tuple[Workload, ...] = get_args(Workload)
@@ -34,6 +35,8 @@ class Targets:
     context: int | None = None
     workload: Workload = "chat"
     kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU supports it, else the model's dtype
+    weights: WeightTarget = "auto"  # auto: FP8 at load on an FP8 card when it fits or pays (kvbudget.weights)
+    fp8_weights_gain: float = 0.25  # the share more sessions that makes `auto` take FP8 weights
     ttft_p50_ms: float | None = None
     tpot_ms: float | None = None
     max_num_batched_tokens: int | None = None  # default: 8192 on GPU, 2048 on the CPU backend (passed explicitly)
@@ -138,6 +141,7 @@ class Plan:
     model_figures: KvCapacity | None = None  # the kvbudget model's figures, kept when vLLM's replaced them
     disagreements: tuple[str, ...] = ()
     tools: ToolCalling | None = None  # tool-calling and reasoning parsers (kvbudget.tools); None: did not fit
+    weights: WeightChoice | None = None  # how the engine holds the weights (kvbudget.weights)
 
     @property
     def targets_met(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from kvbudget import cpu
+from kvbudget import cpu, weights
 from kvbudget.accounting import (
     EngineShape,
     KvCapacity,
@@ -32,6 +32,7 @@ from kvbudget.plan_types import (
 from kvbudget.probe import VllmFigures
 from kvbudget.profiles import PROFILES, GpuProfile
 from kvbudget.tools import plan_tools
+from kvbudget.weights import WeightChoice
 
 GiB = 1 << 30
 
@@ -239,8 +240,8 @@ class _Budget:
 
 
 def _budget(model: ModelShape, gpu: GpuProfile, targets: Targets, platform: Platform, spec: Speculative, tp: int,
-            kv_pool_bytes: int | None) -> _Budget:
-    weights = cdiv(model.weight_bytes, tp)
+            kv_pool_bytes: int | None, weight_bytes: int) -> _Budget:
+    weights = cdiv(weight_bytes, tp)
     reserve = reserve_bytes(model, targets, platform, tp)
     draft_w = cdiv(targets.draft_model_bytes, tp) if spec.method == "eagle3" and targets.draft_model_bytes else 0
     if kv_pool_bytes is None:
@@ -267,6 +268,62 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     """kv_pool_bytes fixes the pool (the CPU backend, or an operator's explicit size) instead of
     deriving it from the GPU's memory; max_num_seqs fixes that setting instead of choosing it."""
     device = _check_inputs(gpu, targets, platform, kv_pool_bytes, max_num_seqs)
+    plan = partial(_plan_with, model, device, targets, platform, kv_pool_bytes, max_num_seqs)
+    refusal = weights.fp8_refusal(model, device, platform.kind == "cpu")
+    if targets.weights == "fp8":
+        if refusal:
+            raise PlanError(f"targets.weights = \"fp8\": {refusal}")
+        return plan(weights.fp8(model, device, "asked for (targets.weights = \"fp8\")"))
+    if targets.weights == "model":
+        return plan(weights.as_stored(model, "as stored, as asked (targets.weights = \"model\")"))
+    if refusal or not device.fp8:
+        why = "the checkpoint's own weights" if platform.kind == "cpu" or not weights.stored_16bit(model) else (
+            f"as stored: {device.name} has no FP8 tensor cores, so FP8 at load is not chosen by itself "
+            "(targets.weights = \"fp8\" would run it weight-only)")
+        return plan(weights.as_stored(model, why))
+    if kv_pool_bytes is not None:
+        return plan(weights.as_stored(model, "as stored: the KV pool is fixed, so smaller weights would add no "
+                                             "sessions (FP8 at load: targets.weights = \"fp8\")"))
+    return _auto_weights(plan(weights.as_stored(model, "")), plan(weights.fp8(model, device, "")), targets)
+
+
+def _auto_weights(as_is: Plan, small: Plan, targets: Targets) -> Plan:
+    """`auto` on an FP8 card with a 16-bit checkpoint: FP8 at load where the 16-bit weights do not fit and
+    FP8 does, or where it buys at least targets.fp8_weights_gain more sessions at the target context."""
+    if not small.fits:
+        return _explained(as_is, "as stored: the model does not fit even with FP8 weights", None)
+    ctx = small.engine.max_model_len
+    if not as_is.fits:
+        return _explained(small, f"FP8 at load: the 16-bit weights do not fit this card, FP8's {_weights_gb(small)} do",
+                          "16-bit weights (targets.weights = \"model\"): do not fit")
+    n16, n8 = _sessions(as_is), _sessions(small)
+    gain = n8 / n16 - 1 if n16 else float("inf")
+    figures = f"{n8:.1f} sessions at {ctx:,} tokens with FP8 weights against {n16:.1f} with 16-bit ones (+{gain:.0%})"
+    if gain >= targets.fp8_weights_gain:
+        return _explained(small, f"FP8 at load: {figures}, at least the {targets.fp8_weights_gain:.0%} asked "
+                                 "(targets.fp8_weights_gain)",
+                          f"16-bit weights (targets.weights = \"model\"): {n16:.1f} sessions, {_weights_gb(as_is)}")
+    return _explained(as_is, f"as stored: FP8 at load would give {figures}, less than the "
+                             f"{targets.fp8_weights_gain:.0%} that pays for its rounding (targets.fp8_weights_gain)",
+                      f"FP8 at load (targets.weights = \"fp8\"): {n8:.1f} sessions, {_weights_gb(small)}")
+
+
+def _weights_gb(plan: Plan) -> str:
+    return f"{plan.memory.weights / 1e9:.1f} GB of weights per GPU"
+
+
+def _sessions(plan: Plan) -> float:
+    return plan.capacity.max_concurrency if plan.capacity else 0.0
+
+
+def _explained(plan: Plan, reason: str, alternative: str | None) -> Plan:
+    assert plan.weights is not None
+    return replace(plan, weights=replace(plan.weights, reason=reason, alternative=alternative))
+
+
+def _plan_with(model: ModelShape, device: GpuProfile, targets: Targets, platform: Platform, kv_pool_bytes: int | None,
+               max_num_seqs: int | None, held: WeightChoice) -> Plan:
+    """The plan with the weights held one way (kvbudget.weights)."""
     notes: list[str] = []
     tp, dcp, par_notes = parallelism(model, platform)
     notes += par_notes
@@ -277,7 +334,7 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     context = targets.context or min(DEFAULT_CONTEXT[targets.workload], model.max_position_embeddings or 10**9)
     findings = _context_findings(model, context)
     spec = choose_speculative(model, targets, platform, memory_tight=False)
-    b = _budget(model, device, targets, platform, spec, tp, kv_pool_bytes)
+    b = _budget(model, device, targets, platform, spec, tp, kv_pool_bytes, held.bytes)
     block = attention_block_size(model, device, platform, kv_dtype)
     shape = partial(_engine_shape, model, targets, platform, kv_dtype, block, tp, dcp)
     pool = kv_pool_bytes if kv_pool_bytes is not None else b.budget - b.need
@@ -285,7 +342,7 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         findings.append(_does_not_fit(b, device, platform))
         mem = Memory(b.total, b.headroom, b.weights, b.draft_weights, b.reserve, 0, 0)
         return Plan(device, model, targets, platform, False, mem, shape(spec, context), None, None, {}, 0, spec,
-                    None, tuple(findings), tuple(notes), ())
+                    None, tuple(findings), tuple(notes), (), weights=held)
     eng = shape(spec, context)
     lay = layout(model, eng)
     cap = capacity(lay, eng, pool)
@@ -309,9 +366,10 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     max_num_seqs = max_num_seqs or targets.sessions or _seqs_for(cap.max_concurrency)
     tools = plan_tools(model, model.chat_template, targets.tool_call_parser, targets.reasoning_parser)
     notes.append(tools.summary())
-    args = [*_vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching), *tools.args]
+    args = [*_vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching), *held.args,
+            *tools.args]
     return Plan(device, model, targets, platform, True, mem, eng, lay, cap, _sessions_at(model, eng, pool),
-                max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args), tools=tools)
+                max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args), tools=tools, weights=held)
 
 
 def _prefix_caching_cost(model: ModelShape, targets: Targets, eng: EngineShape, cap: KvCapacity, pool: int) -> list[str]:

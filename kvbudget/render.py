@@ -37,7 +37,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                         "reason": p.speculative.reason},
         "findings": [f.__dict__ | {"remedies": list(f.remedies)} for f in p.findings],
         "notes": list(p.notes),
-        "vllm_args": list(p.vllm_args),
+        "vllm_args": list(p.vllm_args), "weights": _weights_dict(p),
         "tools": None if p.tools is None else {
             "tool_call_parser": p.tools.tool_call_parser, "reasoning_parser": p.tools.reasoning_parser,
             "auto_tool_choice": p.tools.auto, "template_renders_tools": p.tools.renders_tools, "why": p.tools.why},
@@ -76,6 +76,12 @@ def plan_dict(p: Plan) -> dict[str, Any]:
     return d
 
 
+def _weights_dict(p: Plan) -> dict[str, Any] | None:
+    w = p.weights
+    return None if w is None else {"scheme": w.scheme, "bytes": w.bytes, "vllm_args": list(w.args),
+                                   "reason": w.reason, "quality": w.quality, "alternative": w.alternative}
+
+
 def plan_text(p: Plan) -> str:
     lines = [
         f"Plan for {p.model.name} ({p.model.architecture}) on "
@@ -84,6 +90,7 @@ def plan_text(p: Plan) -> str:
         "",
         *_memory_lines(p),
     ]
+    lines += _weight_lines(p)
     if p.layout and p.capacity:
         lines += _kv_lines(p)
     lines += ["", f"Speculative decoding: {p.speculative.method} ({p.speculative.reason})"]
@@ -113,12 +120,28 @@ def _memory_lines(p: Plan) -> list[str]:
             f"  total                         {gb(m.total)}",
             f"  headroom (held back)          {gb(m.headroom)}  ({(1 - p.platform.gpu_memory_utilization) * 100:.0f}%)",
         ]
-    lines.append(f"  weights                       {gb(m.weights)}" + ("" if p.model.weight_bytes_exact else "  (estimated)"))
+    held = "  (FP8 at load)" if p.weights and p.weights.scheme == "fp8" else ""
+    lines.append(f"  weights                       {gb(m.weights)}" + ("" if p.model.weight_bytes_exact else "  (estimated)")
+                 + held)
     if m.draft_weights:
         lines.append(f"  draft weights                 {gb(m.draft_weights)}")
     if m.reserve:
         lines.append(f"  activation + graph reserve    {gb(m.reserve)}  (estimated)")
     lines.append(f"  KV pool                       {gb(m.kv_pool)}")
+    return lines
+
+
+def _weight_lines(p: Plan) -> list[str]:
+    w = p.weights
+    if w is None:
+        return []
+    name = "FP8, quantized by vLLM at load (--quantization fp8)" if w.scheme == "fp8" else (
+        f"as stored ({p.model.weight_format or p.model.quantization or f'{8 * p.model.dtype_bytes}-bit'})")
+    lines = ["", f"Weights: {name}", f"  why                           {w.reason}"]
+    if w.quality:
+        lines.append(f"  gives up                      {w.quality}")
+    if w.alternative:
+        lines.append(f"  instead                       {w.alternative}")
     return lines
 
 

@@ -32,6 +32,7 @@ from cascade.gateway_headers import check_fairness_template
 from cascade.policy import Escalate, Mode, PriorityClass
 from kvbudget.accounting import KvDtype
 from kvbudget.plan_types import SpeculativeTarget, Workload
+from kvbudget.weights import WeightTarget
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.toml")
 CONFIG_ENV = "APPLIANCE_CONFIG"
@@ -176,6 +177,13 @@ class TargetsSection(_Section):
         description="What the site runs; chooses speculative decoding and the default context.")
     kv_dtype: KvDtype = Field(default="auto",
         description="KV cache dtype; auto: FP8 where the GPU has it, else the model's dtype.")
+    weights: WeightTarget = Field(
+        default="auto", description="Weight precision. auto: a BF16/FP16 checkpoint on a card with FP8 is "
+        "quantized to FP8 by vLLM as it loads (--quantization fp8) when it does not fit otherwise or gains "
+        "`fp8_weights_gain` more sessions; model: as stored; fp8: always (GPUs of compute capability 7.5+).")
+    fp8_weights_gain: Annotated[float, Field(ge=0)] = Field(
+        default=0.25, description="The share more sessions at `context` that makes `weights = \"auto\"` take "
+                                  "FP8 weights on a model that fits either way (0.25: a quarter more).")
     ttft_p50_ms: Annotated[float, Field(gt=0)] | None = Field(default=None,
         description="Median time-to-first-token target, recorded with the plan.")
     tpot_ms: Annotated[float, Field(gt=0)] | None = Field(default=None,

@@ -37,6 +37,8 @@ def targets_from_config(cfg: Config) -> Targets:
         context=cfg.engine.max_model_len or t.context,
         workload=t.workload,
         kv_dtype=t.kv_dtype,
+        weights=t.weights,
+        fp8_weights_gain=t.fp8_weights_gain,
         ttft_p50_ms=t.ttft_p50_ms,
         tpot_ms=t.tpot_ms,
         speculative=t.speculative,

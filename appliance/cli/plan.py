@@ -13,6 +13,7 @@ from kvbudget.accounting import KvDtype
 from kvbudget.cpu import CPU_ISAS
 from kvbudget.plan_types import Platform, Workload
 from kvbudget.profiles import GpuProfile
+from kvbudget.weights import WeightTarget
 
 
 @click.command("plan")
@@ -32,6 +33,9 @@ from kvbudget.profiles import GpuProfile
 @click.option("--context", type=click.IntRange(min=16), default=None, help="Context per session, tokens.")
 @click.option("--workload", type=choice(Workload), default=None)
 @click.option("--kv-dtype", type=choice(KvDtype), default=None)
+@click.option("--weights", type=choice(WeightTarget), default=None,
+              help="Weight precision: auto (FP8 at load on an FP8 card when it fits or pays), model (as stored), "
+                   "fp8 (vLLM quantizes at load).")
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="p50 TTFT target.")
 @click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Time per output token target.")
@@ -44,7 +48,7 @@ from kvbudget.profiles import GpuProfile
 @click.option("--model-only", is_flag=True, help="Use the kvbudget model alone; do not ask vLLM (faster, no engine).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_backend, cpu_isa, kv_pool, sessions, context,
-             workload, kv_dtype, ttft_ms, tpot_ms, draft_model, prefix_caching, engine_python, model_only,
+             workload, kv_dtype, weights, ttft_ms, tpot_ms, draft_model, prefix_caching, engine_python, model_only,
              as_json) -> None:
     """Compute the KV budget and the vLLM settings for a model on a GPU, against the site's targets.
 
@@ -68,7 +72,8 @@ def plan_cmd(config_path, model_path, gpu_name, gpu_memory, gpu_cc, gpus, cpu_ba
     base = targets_from_config(cfg) if cfg else Targets()
     targets = Targets(
         sessions=sessions or base.sessions, context=context or base.context, workload=workload or base.workload,
-        kv_dtype=kv_dtype or base.kv_dtype, ttft_p50_ms=ttft_ms or base.ttft_p50_ms, tpot_ms=tpot_ms or base.tpot_ms,
+        kv_dtype=kv_dtype or base.kv_dtype, weights=weights or base.weights,
+        fp8_weights_gain=base.fp8_weights_gain, ttft_p50_ms=ttft_ms or base.ttft_p50_ms, tpot_ms=tpot_ms or base.tpot_ms,
         speculative=base.speculative,
         prefix_caching=base.prefix_caching if prefix_caching is None else prefix_caching == "on",
     )

@@ -28,7 +28,10 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
             "pinned": mc.pinned if mc else None,
             "matches_pin": mc.ok if mc and mc.pinned else None,
             "weights": {"format": p.model.weight_format or None,
-                        "scheme": state.model_build.get("scheme") if state.model_build else None},
+                        "scheme": state.model_build.get("scheme") if state.model_build else None,
+                        # vLLM's own FP8 quantization of a 16-bit checkpoint as it loads it (kvbudget.weights)
+                        "quantized_at_load": "fp8" if p.weights and p.weights.scheme == "fp8" else None,
+                        "why": p.weights.reason if p.weights else None},
         },
         "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
                  "max_num_seqs": p.max_num_seqs,

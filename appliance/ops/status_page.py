@@ -52,8 +52,11 @@ def age(seconds: float | None) -> str:
 
 
 def weights(plan: dict[str, Any]) -> str:
-    """The weights as served: their bytes and, for a quantized checkpoint, its scheme."""
+    """The weights as served: their bytes and, for a quantized checkpoint, its scheme (or FP8 made by vLLM
+    as it loads a 16-bit one)."""
     model = plan.get("model") or {}
+    if (plan.get("weights") or {}).get("scheme") == "fp8":
+        return f"{size((plan.get('memory_bytes') or {}).get('weights'))}, FP8 (quantized by vLLM at load)"
     return f"{size(model.get('weight_bytes'))}, {model.get('weight_format') or 'unquantized'}"
 
 

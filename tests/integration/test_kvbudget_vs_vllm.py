@@ -319,6 +319,29 @@ def test_eagle3_draft_tensor_and_decode_context_parallel_agree_with_vllm(tmp_pat
     assert answers[0].kv_layers == 33  # 32 target layers + the EAGLE-3 head's one
 
 
+def test_fp8_weights_are_vllms_to_accept_or_refuse():
+    """The BF16 anchor model on an L40S, planned with --quantization fp8: vLLM takes the command line on the
+    card (and sizes the pool as the plan does); on a card below vLLM's minimum for FP8 weights it refuses with
+    its own words, and the minimum it names is the one kvbudget refuses at."""
+    from appliance.boot.planning import with_vllm_figures
+    from kvbudget import weights
+    from kvbudget.profiles import custom_profile
+
+    l40s, path = find_profile("L40S"), FIX / "qwen3.6-27b.json"
+    plan = make_plan(read_model(path), l40s, Targets(context=32_768), Platform("gpu"))
+    assert plan.weights.scheme == "fp8" and "--quantization" in plan.vllm_args
+    checked = with_vllm_figures(plan, path, probe.Device("cuda", l40s.compute_capability, l40s.name,
+                                                         l40s.memory_bytes), None)
+    assert checked.source.startswith("vllm ") and checked.vllm.num_blocks == plan.capacity.num_blocks
+    volta = probe.Device("cuda", (7, 0), "V100", 32 << 30)
+    with pytest.raises(PlanError, match=r"quantization method fp8 is not supported for the current GPU\. Minimum "
+                                        r"capability: 75") as refused:
+        with_vllm_figures(plan, path, volta, None)
+    assert "Minimum capability: %d%d" % weights.FP8_MIN_CAPABILITY in str(refused.value)
+    with pytest.raises(PlanError, match="Minimum capability: 75"):
+        make_plan(read_model(path), custom_profile(l40s.memory_bytes, (7, 0), "V100"), Targets(weights="fp8"))
+
+
 def test_unmodelled_configs_follow_vllm_with_every_disagreement_named():
     """Configs whose cache-holding layers the kvbudget model does not read (refused model-only, see
     tests/unit/kvbudget/test_unmodelled.py): asked, vLLM answers, the plan takes vLLM's figures and lists what

@@ -76,7 +76,9 @@ def test_the_build_says_what_it_is_and_matches_its_pin(served):
     assert quant["quant_method"] == "compressed-tensors"
     status = loopback.get(f"{app.url}/v1/appliance/status").json()
     assert status["model"]["digest"] == digest and status["model"]["matches_pin"] is True, status["model"]
-    assert status["model"]["weights"] == {"format": quant["quant_method"] + "/" + quant["format"], "scheme": scheme}
+    held = status["model"]["weights"]
+    assert (held["format"], held["scheme"]) == (quant["quant_method"] + "/" + quant["format"], scheme), held
+    assert held["quantized_at_load"] is None and held["why"] == "the checkpoint's own weights", held
 
 
 def test_the_engine_runs_the_scheme_s_cpu_kernel_and_answers(served):
