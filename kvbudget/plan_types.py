@@ -34,7 +34,7 @@ class Targets:
     sessions: int | None = None
     context: int | None = None
     workload: Workload = "chat"
-    kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU supports it, else the model's dtype
+    kv_dtype: KvDtype = "auto"  # auto: FP8 where the GPU or the CPU host supports it, else the model's dtype
     weights: WeightTarget = "auto"  # auto: FP8 at load on an FP8 card when it fits or pays (kvbudget.weights)
     fp8_weights_gain: float = 0.25  # the share more sessions that makes `auto` take FP8 weights
     ttft_p50_ms: float | None = None
@@ -142,6 +142,7 @@ class Plan:
     disagreements: tuple[str, ...] = ()
     tools: ToolCalling | None = None  # tool-calling and reasoning parsers (kvbudget.tools); None: did not fit
     weights: WeightChoice | None = None  # how the engine holds the weights (kvbudget.weights)
+    kv_dtype_why: str | None = None  # why the KV dtype is what it is, where that depends on the device
 
     @property
     def targets_met(self) -> bool:

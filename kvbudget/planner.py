@@ -50,17 +50,19 @@ def choose_kv_dtype(targets: Targets, gpu: GpuProfile, platform: Platform,
                     model: ModelShape) -> tuple[KvDtype, str | None]:
     want = targets.kv_dtype
     if platform.kind == "cpu":
-        # "auto" keeps the model's dtype on the CPU: FP8 KV is the operator's choice there (targets.kv_dtype).
-        if want in ("fp8", "fp4"):
-            refusal = cpu.kv_dtype_refusal(want, model.head_dim, bool(model.mla_latent_dim), platform.isa)
-            if refusal:
-                return "auto", f"{refusal}; using the model dtype"
-            return want, None
-        if want == "auto" and cpu.kv_dtype_refusal("fp8", model.head_dim, bool(model.mla_latent_dim),
-                                                   platform.isa) is None:
-            return "auto", (f"FP8 KV cache is available on this {platform.isa} host: targets.kv_dtype = \"fp8\" "
-                            "holds twice the tokens in the same pool")
-        return "auto", None
+        if want not in ("auto", "fp8", "fp4"):
+            return "auto", None  # the model's own dtype (vLLM's "auto")
+        refusal = cpu.kv_dtype_refusal("fp8" if want == "auto" else want, model.head_dim,
+                                       bool(model.mla_latent_dim), platform.isa)
+        if refusal:
+            return "auto", f"{refusal}; KV stays in the model dtype"
+        if want == "auto":
+            # vLLM's CPU attention takes FP8 KV from AVX-512 on: twice the tokens in the same pool, and on
+            # the embedded default no loss on its eval set (bench/RESULTS.md, bench/quantized.py).
+            return "fp8", (f"FP8 KV cache on this {platform.isa} host (vLLM's CPU attention takes it from AVX-512 "
+                           "on): twice the tokens of the model dtype in the same pool; targets.kv_dtype = \"bf16\" "
+                           "keeps the model dtype")
+        return want, None
     if want == "auto":
         return ("fp8", None) if gpu.fp8 else ("auto", f"{gpu.name} has no FP8 (compute capability below 8.9): KV stays in the model dtype")
     if want == "fp8" and not gpu.fp8:
@@ -342,7 +344,7 @@ def _plan_with(model: ModelShape, device: GpuProfile, targets: Targets, platform
         findings.append(_does_not_fit(b, device, platform))
         mem = Memory(b.total, b.headroom, b.weights, b.draft_weights, b.reserve, 0, 0)
         return Plan(device, model, targets, platform, False, mem, shape(spec, context), None, None, {}, 0, spec,
-                    None, tuple(findings), tuple(notes), (), weights=held)
+                    None, tuple(findings), tuple(notes), (), weights=held, kv_dtype_why=dtype_note)
     eng = shape(spec, context)
     lay = layout(model, eng)
     cap = capacity(lay, eng, pool)
@@ -369,7 +371,8 @@ def _plan_with(model: ModelShape, device: GpuProfile, targets: Targets, platform
     args = [*_vllm_args(lay, eng, kv_pool, max_num_seqs, spec, kv_dtype, targets.prefix_caching), *held.args,
             *tools.args]
     return Plan(device, model, targets, platform, True, mem, eng, lay, cap, _sessions_at(model, eng, pool),
-                max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args), tools=tools, weights=held)
+                max_num_seqs, spec, tpot, tuple(findings), tuple(notes), tuple(args), tools=tools, weights=held,
+                kv_dtype_why=dtype_note)
 
 
 def _prefix_caching_cost(model: ModelShape, targets: Targets, eng: EngineShape, cap: KvCapacity, pool: int) -> list[str]:

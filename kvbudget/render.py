@@ -43,17 +43,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
             "auto_tool_choice": p.tools.auto, "template_renders_tools": p.tools.renders_tools, "why": p.tools.why},
     }
     if p.layout and p.capacity:
-        lay, cap = p.layout, p.capacity
-        d["kv"] = {
-            "kv_dtype": p.engine.kv_dtype, "block_size": lay.block_size, "page_bytes": lay.page_bytes,
-            "per_token_kv_bytes": lay.per_token_kv_bytes,
-            "per_sequence_state_bytes": lay.per_sequence_state_bytes(p.engine),
-            "linear_state_real_bytes": lay.mamba_page_real, "linear_state_padding_pct": lay.mamba_padding_pct,
-            "groups": len(lay.groups), "group_size": lay.group_size, "bytes_per_block": lay.bytes_per_block,
-            "num_blocks": cap.num_blocks, "blocks_per_request": cap.blocks_per_request,
-            "max_concurrency": cap.max_concurrency, "kv_tokens_reported": cap.tokens_reported,
-            "kv_tokens_reported_legacy": cap.tokens_reported_legacy,
-        }
+        d["kv"] = _kv_dict(p)
         d["sessions_at_context"] = {str(k): v for k, v in p.sessions_at.items()}
         d["tpot_floor_ms"] = p.tpot_floor_ms
     if p.vllm:
@@ -74,6 +64,22 @@ def plan_dict(p: Plan) -> dict[str, Any]:
                                "blocks_per_request": ours.blocks_per_request, "max_concurrency": ours.max_concurrency,
                                "kv_tokens_reported": ours.tokens_reported}
     return d
+
+
+def _kv_dict(p: Plan) -> dict[str, Any]:
+    lay, cap = p.layout, p.capacity
+    assert lay is not None and cap is not None
+    return {
+        "kv_dtype": p.engine.kv_dtype, "kv_dtype_why": p.kv_dtype_why, "block_size": lay.block_size,
+        "page_bytes": lay.page_bytes,
+        "per_token_kv_bytes": lay.per_token_kv_bytes,
+        "per_sequence_state_bytes": lay.per_sequence_state_bytes(p.engine),
+        "linear_state_real_bytes": lay.mamba_page_real, "linear_state_padding_pct": lay.mamba_padding_pct,
+        "groups": len(lay.groups), "group_size": lay.group_size, "bytes_per_block": lay.bytes_per_block,
+        "num_blocks": cap.num_blocks, "blocks_per_request": cap.blocks_per_request,
+        "max_concurrency": cap.max_concurrency, "kv_tokens_reported": cap.tokens_reported,
+        "kv_tokens_reported_legacy": cap.tokens_reported_legacy,
+    }
 
 
 def _weights_dict(p: Plan) -> dict[str, Any] | None:

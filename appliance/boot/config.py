@@ -176,7 +176,8 @@ class TargetsSection(_Section):
     workload: Workload = Field(default="chat",
         description="What the site runs; chooses speculative decoding and the default context.")
     kv_dtype: KvDtype = Field(default="auto",
-        description="KV cache dtype; auto: FP8 where the GPU has it, else the model's dtype.")
+        description="KV cache dtype; auto: FP8 where the GPU has it (compute capability 8.9+) or the CPU "
+                    "host has AVX-512/AMX, else the model's dtype.")
     weights: WeightTarget = Field(
         default="auto", description="Weight precision. auto: a BF16/FP16 checkpoint on a card with FP8 is "
         "quantized to FP8 by vLLM as it loads (--quantization fp8) when it does not fit otherwise or gains "

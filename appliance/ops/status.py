@@ -34,6 +34,8 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
                         "why": p.weights.reason if p.weights else None},
         },
         "plan": {"kv_pool_bytes": p.memory.kv_pool, "max_model_len": p.engine.max_model_len,
+                 "kv_cache_dtype": p.engine.kv_dtype if p.engine.kv_dtype != "auto" else "model dtype",
+                 "kv_cache_dtype_why": p.kv_dtype_why,
                  "max_num_seqs": p.max_num_seqs,
                  "speculative": {"method": p.speculative.method,
                                  "reason": state.speculation_off or p.speculative.reason},

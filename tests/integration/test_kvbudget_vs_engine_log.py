@@ -139,7 +139,7 @@ def test_fp8_kv_cache_follows_this_host(tmp_path: Path):
         m = ENGINE_LINE.search(text)
         assert proc.poll() is None and m, text[-3000:]
         assert int(m.group(1).replace(",", "")) == plan.capacity.tokens_reported
-        bf16 = make_plan(read_model(folder), None, Targets(context=2048), Platform("cpu", cpu_isa=isa),
+        bf16 = make_plan(read_model(folder), None, Targets(context=2048, kv_dtype="bf16"), Platform("cpu", cpu_isa=isa),
                          kv_pool_bytes=1 << 30, max_num_seqs=8)
         assert plan.capacity.tokens_reported >= 2 * bf16.capacity.tokens_reported - bf16.layout.block_size
         r = loopback.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={

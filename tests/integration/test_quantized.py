@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbudget.cpu import cpu_flags, has_avx512, isa_from_flags
 from tests import loopback
 from tests.support import REPO, default_model_path, start_appliance, write_config
 
@@ -79,6 +80,12 @@ def test_the_build_says_what_it_is_and_matches_its_pin(served):
     held = status["model"]["weights"]
     assert (held["format"], held["scheme"]) == (quant["quant_method"] + "/" + quant["format"], scheme), held
     assert held["quantized_at_load"] is None and held["why"] == "the checkpoint's own weights", held
+    # the KV dtype make run's plan takes on this host, and why: FP8 from AVX-512 on, the model dtype below
+    fp8 = has_avx512(isa_from_flags(cpu_flags()))
+    plan = status["plan"]
+    assert plan["kv_cache_dtype"] == ("fp8" if fp8 else "model dtype"), plan
+    assert ("twice the tokens" if fp8 else "needs AVX-512 or AMX") in plan["kv_cache_dtype_why"], plan
+    assert ("--kv-cache-dtype fp8" in app.log_text()) == fp8
 
 
 def test_the_engine_runs_the_scheme_s_cpu_kernel_and_answers(served):

@@ -64,9 +64,18 @@ def test_fp8_kv_follows_avx512_and_falls_back_with_the_reason():
     avx2 = _plan("smollm2-135m-instruct", "avx2", kv_dtype="fp8")
     assert avx2.engine.kv_dtype == "auto" and "--kv-cache-dtype" not in avx2.vllm_args
     assert any("needs AVX-512 or AMX" in n and "avx2" in n for n in avx2.notes)
-    # auto keeps the model dtype on the CPU, and says where FP8 would be available
-    auto = _plan("smollm2-135m-instruct", "amx")
-    assert auto.engine.kv_dtype == "auto" and any('kv_dtype = "fp8"' in n for n in auto.notes)
+    # auto takes FP8 where vLLM's CPU attention has it, and says why; where it has not, the model dtype and why
+    for isa in ("avx512", "avx512-bf16", "amx"):
+        auto = _plan("smollm2-135m-instruct", isa)
+        assert auto.engine.kv_dtype == "fp8" and "--kv-cache-dtype" in auto.vllm_args
+        assert auto.kv_dtype_why and f"on this {isa} host" in auto.kv_dtype_why
+        assert auto.capacity.tokens_reported == 2 * _plan("smollm2-135m-instruct", isa, kv_dtype="bf16") \
+            .capacity.tokens_reported
+    auto2 = _plan("smollm2-135m-instruct", "avx2")
+    assert auto2.engine.kv_dtype == "auto" and "--kv-cache-dtype" not in auto2.vllm_args
+    assert auto2.kv_dtype_why and "needs AVX-512 or AMX" in auto2.kv_dtype_why
+    kept = _plan("smollm2-135m-instruct", "amx", kv_dtype="bf16")
+    assert kept.engine.kv_dtype == "auto" and "--kv-cache-dtype" not in kept.vllm_args
     mla = _plan("deepseek-v2-lite-chat", "amx", kv_dtype="fp8")
     assert mla.engine.kv_dtype == "auto" and any("16-bit latent cache" in n for n in mla.notes)
 

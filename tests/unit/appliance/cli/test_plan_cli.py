@@ -99,11 +99,18 @@ def test_without_nvml_discovery_says_so_and_named_gpus_still_plan():
 
 
 def test_cpu_backend_plan_with_explicit_pool():
-    r = appliance("plan", "--model-only", "--model", str(FIX / "llama-3.1-8b.json"), "--cpu", "--kv-pool", "1GiB", "--context", "2048",
-                  "--json")
-    p = json.loads(r.stdout)
+    base = ("plan", "--model-only", "--model", str(FIX / "llama-3.1-8b.json"), "--cpu", "--kv-pool", "1GiB",
+            "--context", "2048", "--json")
+    p = json.loads(appliance(*base).stdout)
     assert p["platform"] == "cpu" and p["kv"]["block_size"] == 128
-    assert "--kv-cache-dtype" not in p["vllm_args"]
+    # this host's level decides the KV dtype under auto: FP8 from AVX-512 on, the model dtype below, both said
+    from kvbudget.cpu import has_avx512, host_isa
+
+    assert ("--kv-cache-dtype" in p["vllm_args"]) == has_avx512(host_isa()) == (p["kv"]["kv_dtype"] == "fp8")
+    assert p["kv"]["kv_dtype_why"] and host_isa() in p["kv"]["kv_dtype_why"]
+    for isa, dtype in (("avx2", "auto"), ("avx512", "fp8")):
+        other = json.loads(appliance(*base, "--cpu-isa", isa).stdout)
+        assert other["kv"]["kv_dtype"] == dtype and other["cpu_isa"] == isa
 
 
 def test_plan_names_its_source_and_plans_prefix_caching_off():
