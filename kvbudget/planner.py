@@ -275,9 +275,12 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
     if targets.weights == "fp8":
         if refusal:
             raise PlanError(f"targets.weights = \"fp8\": {refusal}")
-        return plan(weights.fp8(model, device, "asked for (targets.weights = \"fp8\")"))
+        return _explained(plan(weights.fp8(model, device, "")), "asked for (targets.weights = \"fp8\")",
+                          _offer(plan(weights.as_stored(model, "")), "16-bit weights", "model"))
     if targets.weights == "model":
-        return plan(weights.as_stored(model, "as stored, as asked (targets.weights = \"model\")"))
+        asked = "as stored, as asked (targets.weights = \"model\")"
+        other = None if refusal else _offer(plan(weights.fp8(model, device, "")), "FP8 at load", "fp8")
+        return _explained(plan(weights.as_stored(model, "")), asked, other)
     if refusal or not device.fp8:
         why = "the checkpoint's own weights" if platform.kind == "cpu" or not weights.stored_16bit(model) else (
             f"as stored: {device.name} has no FP8 tensor cores, so FP8 at load is not chosen by itself "
@@ -297,17 +300,23 @@ def _auto_weights(as_is: Plan, small: Plan, targets: Targets) -> Plan:
     ctx = small.engine.max_model_len
     if not as_is.fits:
         return _explained(small, f"FP8 at load: the 16-bit weights do not fit this card, FP8's {_weights_gb(small)} do",
-                          "16-bit weights (targets.weights = \"model\"): do not fit")
+                          _offer(as_is, "16-bit weights", "model"))
     n16, n8 = _sessions(as_is), _sessions(small)
     gain = n8 / n16 - 1 if n16 else float("inf")
     figures = f"{n8:.1f} sessions at {ctx:,} tokens with FP8 weights against {n16:.1f} with 16-bit ones (+{gain:.0%})"
     if gain >= targets.fp8_weights_gain:
         return _explained(small, f"FP8 at load: {figures}, at least the {targets.fp8_weights_gain:.0%} asked "
-                                 "(targets.fp8_weights_gain)",
-                          f"16-bit weights (targets.weights = \"model\"): {n16:.1f} sessions, {_weights_gb(as_is)}")
+                                 "(targets.fp8_weights_gain)", _offer(as_is, "16-bit weights", "model"))
     return _explained(as_is, f"as stored: FP8 at load would give {figures}, less than the "
                              f"{targets.fp8_weights_gain:.0%} that pays for its rounding (targets.fp8_weights_gain)",
-                      f"FP8 at load (targets.weights = \"fp8\"): {n8:.1f} sessions, {_weights_gb(small)}")
+                      _offer(small, "FP8 at load", "fp8"))
+
+
+def _offer(plan: Plan, what: str, setting: str) -> str:
+    """The other weight choice, in its own plan's figures."""
+    got = (f"{_sessions(plan):.1f} sessions at {plan.engine.max_model_len:,} tokens, {_weights_gb(plan)}"
+           if plan.fits else "does not fit")
+    return f"{what} (targets.weights = \"{setting}\"): {got}"
 
 
 def _weights_gb(plan: Plan) -> str:

@@ -42,6 +42,7 @@ def test_a_bf16_27b_on_an_l40s_is_planned_with_fp8_weights():
     m, card = model("qwen3.6-27b"), find_profile("L40S")
     stored = make_plan(m, card, Targets(weights="model"))
     assert not stored.fits and stored.findings[0].target == "fit" and stored.vllm_args == ()
+    assert stored.weights.alternative.startswith('FP8 at load (targets.weights = "fp8"): 9.4 sessions at 32,768')
     p = make_plan(m, card, Targets())
     assert p.fits and p.weights is not None and p.weights.scheme == "fp8"
     assert quantization_args(p.vllm_args) == [("--quantization", "fp8")]
@@ -58,6 +59,9 @@ def test_auto_takes_fp8_only_when_it_buys_the_asked_share_of_sessions():
     small = make_plan(m, card, Targets(weights="fp8"))
     gain = small.capacity.max_concurrency / stored.capacity.max_concurrency - 1
     assert gain > 0.25
+    assert small.weights.alternative == (f'16-bit weights (targets.weights = "model"): '
+                                         f'{stored.capacity.max_concurrency:.1f} sessions at 32,768 tokens, '
+                                         f'{stored.memory.weights / 1e9:.1f} GB of weights per GPU')
     taken = make_plan(m, card, Targets())
     assert taken.weights.scheme == "fp8" and taken.vllm_args == small.vllm_args
     assert f"{small.capacity.max_concurrency:.1f} sessions" in taken.weights.reason
