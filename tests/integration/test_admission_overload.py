@@ -39,6 +39,9 @@ pytestmark = pytest.mark.engine
 ADMISSION = """
 [targets]
 workload = "code"
+# the KV arithmetic below is the model dtype's on every host (FP8 KV, taken under auto from AVX-512 on,
+# would double the blocks and leave nothing short)
+kv_dtype = "bf16"
 
 [doctor]
 disable_decayed_speculation = false
