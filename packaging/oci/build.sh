@@ -66,6 +66,11 @@ if ! cp -al "$prefix/." "$ctx/venv/" 2>/dev/null; then
     tar -C "$prefix" -cf - . | tar -C "$ctx/venv" -xf -
 fi
 rm -rf "$ctx/venv/bin" "$ctx/venv/pyvenv.cfg" "$ctx/venv/lib64" "$ctx/venv/.setup-stamp"
+# Only what the appliance and the engine need at run time: the tests', linters' and benchmarks' packages
+# (pytest, mypy, ruff, eval sets, the model's PyPI package) stay out (kernels/runtime.py; removing a
+# hard link leaves the environment itself as it was). The names removed are kept beside the build.
+"$py" -m kernels.runtime "$ctx/venv/lib/python3.11/site-packages" >"$work/left-out.txt"
+say "left out of the image: $(cat "$work/left-out.txt")"
 find "$ctx/venv" \( -name '__editable__*' -o -name 'edge_appliance*' -o -name '__pycache__' \) -prune \
     -exec rm -rf {} +
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/wheel" "$repo"

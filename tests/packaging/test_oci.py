@@ -116,7 +116,11 @@ def test_umoci_unpacks_the_pinned_model_lock_and_sbom(image: Image, rootfs: Path
     monitoring = rootfs / "usr/share/edge-appliance/monitoring"
     assert (monitoring / "alerts.yml").read_bytes() == (REPO / "packaging/monitoring/alerts.yml").read_bytes()
     assert (monitoring / "dashboard.json").is_file()
-    assert (rootfs / "opt/appliance/lib/python3.11/site-packages/appliance/ops/templates/status.html").is_file()
+    site = rootfs / "opt/appliance/lib/python3.11/site-packages"
+    assert (site / "appliance/ops/templates/status.html").is_file()
+    # the run-time closure only (kernels/runtime.py): the engine's packages in, the suite's tools out
+    assert (site / "vllm").is_dir() and (site / "torch").is_dir() and (site / "uvloop").is_dir()
+    assert not [p.name for p in site.iterdir() if p.name.split("-")[0] in ("pytest", "mypy", "ruff", "hypothesis")]
 
 
 def test_podman_runs_it_to_readyz_and_a_chat_completion(image: Image, rootfs: Path, tmp_path: Path):
