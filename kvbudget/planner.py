@@ -281,11 +281,13 @@ def make_plan(model: ModelShape, gpu: GpuProfile | None, targets: Targets = Targ
         asked = "as stored, as asked (targets.weights = \"model\")"
         other = None if refusal else _offer(plan(weights.fp8(model, device, "")), "FP8 at load", "fp8")
         return _explained(plan(weights.as_stored(model, "")), asked, other)
-    if refusal or not device.fp8:
-        why = "the checkpoint's own weights" if platform.kind == "cpu" or not weights.stored_16bit(model) else (
-            f"as stored: {device.name} has no FP8 tensor cores, so FP8 at load is not chosen by itself "
-            "(targets.weights = \"fp8\" would run it weight-only)")
-        return plan(weights.as_stored(model, why))
+    if refusal:
+        kept = platform.kind == "cpu" or not weights.stored_16bit(model)
+        return plan(weights.as_stored(model, "the checkpoint's own weights" if kept else f"as stored: {refusal}"))
+    if not device.fp8:
+        return plan(weights.as_stored(model, f"as stored: {device.name} has no FP8 tensor cores, so FP8 at load "
+                                             "is not chosen by itself (targets.weights = \"fp8\" would run it "
+                                             "weight-only)"))
     if kv_pool_bytes is not None:
         return plan(weights.as_stored(model, "as stored: the KV pool is fixed, so smaller weights would add no "
                                              "sessions (FP8 at load: targets.weights = \"fp8\")"))
