@@ -17,14 +17,13 @@ at least `fp8_weights_gain` more sessions at the target context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from kvbudget.model import ModelShape
     from kvbudget.profiles import GpuProfile
 
 WeightTarget = Literal["auto", "model", "fp8"]
-WEIGHT_TARGETS: tuple[WeightTarget, ...] = get_args(WeightTarget)
 Scheme = Literal["model", "fp8"]
 
 # vLLM's Fp8Config.get_min_capability() (tests/integration/test_kvbudget_vs_vllm.py compares the two).
