@@ -184,7 +184,8 @@ def short_private_dir() -> Path:
 def write_config(directory: Path, *, port: int | None = None,
                  served_name: str = "smollm2-135m-instruct", enforce_eager: bool = True,
                  extra: str = "", engine_extra: str = "", server_extra: str = "", max_num_seqs: int = 16, max_model_len: int = 2048,
-                 model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB", model_extra: str = "") -> Path:
+                 model: Path | None = None, kv_cache_memory_bytes: str | int = "1GiB", model_extra: str = "",
+                 cache_dir: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "appliance.toml"
     kv_toml = f'"{kv_cache_memory_bytes}"' if isinstance(kv_cache_memory_bytes, str) else str(kv_cache_memory_bytes)
@@ -210,7 +211,7 @@ kv_cache_memory_bytes = {kv_toml}
 max_model_len = {max_model_len}
 max_num_seqs = {max_num_seqs}
 enforce_eager = {str(enforce_eager).lower()}
-cache_dir = "{shared_engine_cache()}"
+cache_dir = "{cache_dir or shared_engine_cache()}"
 stop_grace_s = 10
 restart_backoff_initial_s = 1
 {engine_extra}

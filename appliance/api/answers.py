@@ -13,6 +13,7 @@ ANSWERED_BY = "X-Appliance-Answered-By"
 ESCALATION = "X-Appliance-Escalation"
 ESCALATION_ID = "X-Appliance-Escalation-Id"
 ESCALATION_REASON = "X-Appliance-Escalation-Reason"
+MODEL_DIGEST = "X-Appliance-Model-Digest"  # the pin of the model that answered locally (changes in an upgrade)
 
 
 def request_logprobs(body: dict[str, Any], chat: bool) -> bool:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from appliance import __version__
 from appliance.api import dialects
@@ -19,6 +21,7 @@ from appliance.api.gateway import Gateway
 from appliance.engine.supervisor import EngineState
 from appliance.ops import status_page
 from appliance.store.keys import KeyVerifier
+from appliance.upgrade.upgrader import Upgrader, UpgradeRefused, UpgradeRequest
 from cascade.outbox import STATUSES
 
 
@@ -26,7 +29,8 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
                verifier: KeyVerifier | None = None, keys_required: bool = False,
                status: Callable[[], dict[str, Any]] | None = None,
                doctor: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-               recent_errors: Callable[[], list[dict[str, Any]]] | None = None) -> FastAPI:
+               recent_errors: Callable[[], list[dict[str, Any]]] | None = None,
+               upgrader: Upgrader | None = None) -> FastAPI:
     """The app: one router per feature, in the order the router tries them (the generation routes first:
     they carry nearly every request), then the key check and the fault barrier around them."""
     app = FastAPI(
@@ -41,6 +45,8 @@ def create_app(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None = Non
     for router in (generation_routes(gateway), health_routes(gateway), operator_routes(gateway, plan, status, doctor),
                    escalation_routes(gateway), page_routes(gateway, plan, status, doctor, recent_errors)):
         app.include_router(router)
+    if upgrader is not None:
+        app.include_router(upgrade_routes(upgrader))
     # Added last, so outermost: it also catches a fault in the key middleware.
     app.add_middleware(FaultBarrier, on_fault=gateway.metrics.observe_fault if gateway.metrics else None)
     return app
@@ -168,6 +174,72 @@ def operator_routes(gateway: Gateway, plan: Callable[[], dict[str, Any]] | None,
     async def appliance_plan() -> dict[str, Any]:
         """The KV budget and engine settings the daemon started the engine with."""
         return provided(plan, "plan")()
+
+    return router
+
+
+class UpgradeBody(BaseModel):
+    """POST /v1/appliance/upgrade: what to change (at least one); what is left out stays."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, min_length=1, description="The new model folder, on this box.")
+    digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$",
+                               description="The new model's pin (`appliance model pin` prints it).")
+    engine_python: str | None = Field(default=None, description="Another engine environment's interpreter.")
+    kernels_lock: str | None = Field(default=None, min_length=1, description="That environment's kernel lock.")
+    swap: Literal["auto", "beside", "in_place"] | None = Field(default=None, description="upgrade.swap, this once.")
+
+
+class RollbackBody(BaseModel):
+    """POST /v1/appliance/rollback: an empty body, or the swap to make."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    swap: Literal["auto", "beside", "in_place"] | None = None
+
+
+def upgrade_routes(upgrader: Upgrader) -> APIRouter:
+    """/v1/appliance/upgrade and /rollback (admin scope): start one (202, then follow it with GET), or 409
+    with the reason when one cannot start; GET shows the one under way, the versions and the last outcome."""
+    router = APIRouter(prefix="/v1/appliance")
+
+    def started(attempt: Any) -> JSONResponse:
+        return JSONResponse({"started": attempt.as_dict(), **upgrader.status()}, status_code=202)
+
+    @router.get("/upgrade")
+    async def upgrade_status() -> dict[str, Any]:
+        return upgrader.status()
+
+    @router.post("/upgrade")
+    async def upgrade(request: Request) -> JSONResponse:
+        try:
+            body = UpgradeBody.model_validate_json(await request.body())
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ApiError(400, f"{'.'.join(str(x) for x in first['loc']) or 'body'}: {first['msg']}",
+                           code="invalid_upgrade") from None
+        req = UpgradeRequest(model_path=Path(body.model) if body.model else None, model_digest=body.digest,
+                             engine_python=body.engine_python,
+                             kernels_lock=Path(body.kernels_lock) if body.kernels_lock else None, swap=body.swap)
+        try:
+            return started(upgrader.start_upgrade(req))
+        except UpgradeRefused as e:
+            raise ApiError(409, str(e), code="upgrade_refused") from None
+
+    @router.post("/rollback")
+    async def rollback(request: Request) -> JSONResponse:
+        raw = await request.body()
+        try:
+            body = RollbackBody.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ApiError(400, f"{'.'.join(str(x) for x in first['loc']) or 'body'}: {first['msg']}",
+                           code="invalid_rollback") from None
+        try:
+            return started(upgrader.start_rollback(body.swap))
+        except UpgradeRefused as e:
+            raise ApiError(409, str(e), code="rollback_refused") from None
 
     return router
 

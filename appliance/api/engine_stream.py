@@ -33,6 +33,10 @@ class EngineLinkError(ConnectionError):
     something that is not HTTP."""
 
 
+class EngineRefused(EngineLinkError):
+    """Nothing listens on the engine's socket: the request was not sent, so it may wait and go again."""
+
+
 class EngineStream(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
         self._loop = loop
@@ -65,6 +69,8 @@ class EngineStream(asyncio.Protocol):
         try:
             transport, stream = await asyncio.wait_for(
                 loop.create_unix_connection(lambda: cls(loop, idle_s), str(socket_path)), connect_s)
+        except (ConnectionRefusedError, FileNotFoundError) as e:
+            raise EngineRefused(f"nothing listens on the engine's socket {socket_path}: {e}") from e
         except (TimeoutError, OSError) as e:
             raise EngineLinkError(f"cannot connect to the engine's socket {socket_path}: {e or type(e).__name__}") from e
         stream.transport = transport  # uvloop may call connection_made only after this returns

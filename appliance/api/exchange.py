@@ -216,6 +216,18 @@ class Exchanges:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return len(self._answering)
 
+    def answering_now(self) -> set[Exchange]:
+        """The requests the local engine answers at this instant (an upgrade's switch keeps them)."""
+        return set(self._answering)
+
+    async def drained_of(self, these: set[Exchange], timeout: float) -> int:
+        """Wait until none of `these` is answered by the engine any more, at most `timeout` s; returns how
+        many still are."""
+        deadline = time.monotonic() + timeout
+        while (left := these & self._answering) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return len(left)
+
     def answering(self, ex: Exchange) -> None:
         self._answering.add(ex)
         self._idle.clear()

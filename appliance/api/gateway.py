@@ -27,7 +27,7 @@ from appliance.api.admission import AdmissionGate, AdmissionRejected, Ticket
 from appliance.api.admission import Request as AdmissionRequest
 from appliance.api.dialects import Dialect
 from appliance.api.disconnect import ClientGone, race_disconnect, read_or_leave
-from appliance.api.engine_stream import EngineLinkError, EngineStream
+from appliance.api.engine_stream import EngineLinkError, EngineRefused, EngineStream
 from appliance.api.errors import ApiError, error_body, normalise_error, retry_later
 from appliance.api.exchange import Exchange, Exchanges
 from appliance.api.http_protocol import BODY_TIMED_OUT
@@ -324,8 +324,18 @@ class Gateway:
         ex.hold(await self._admit(request, AdmissionRequest(ex.cls, ex.prompt_tokens, ex.max_tokens, ex.seqs)))
         admitted = time.perf_counter()
         ex.enter("engine")
-        upstream = await race_disconnect(request, self._post(ex.route, json.dumps(body).encode(), ex.id))
+        data = json.dumps(body).encode()
+        try:
+            upstream, version = await race_disconnect(request, self._post(ex.route, data, ex.id))
+        except EngineRefused as e:
+            # The engine died and the supervisor has not said so yet: nothing was sent, so the request
+            # waits for the restart like any held one, then goes again once.
+            if not await self._wait_for_restart(request, ex):
+                raise self._unreachable(e) from None
+            upstream, version = await race_disconnect(request, self._post(ex.route, data, ex.id))
         headers = {"X-Request-Id": ex.id}
+        if version:
+            headers[answers.MODEL_DIGEST] = version
         if ex.ticket is not None:  # what admission expected: compare it with the first token's arrival
             headers[PREDICTED_TTFT] = str(round(ex.ticket.predicted_s * 1000))
         if ex.decision is not None:
@@ -396,14 +406,32 @@ class Gateway:
                              judge=self.routing.stream_judge(ex) if ex.judge else None)
         return SplicedStream(upstream, first, events, on_close=on_close, headers=headers)
 
-    async def _post(self, path: str, body: bytes, rid: str) -> EngineStream:
-        if self.settings.engine_socket is None:
-            raise EngineLinkError("no engine socket is configured")
+    async def _post(self, path: str, body: bytes, rid: str) -> tuple[EngineStream, str]:
+        """The engine's answer, and the digest of the model that gives it. The serving engine's own socket
+        and its version are read together, so during an upgrade's switch the label is the engine's that
+        answers (the old one finishes what was sent to it). EngineRefused when nothing listens."""
+        endpoint = self.supervisor.endpoint()
+        socket, version = endpoint if endpoint is not None else (self.settings.engine_socket, self.supervisor.version)
+        if socket is None:
+            raise self._unreachable(EngineLinkError("no engine socket is configured"))
         try:
-            return await EngineStream.open(self.settings.engine_socket, path, body, self._auth(rid),
-                                           connect_s=_CONNECT_S, idle_s=self.settings.upstream_timeout_s)
+            return await EngineStream.open(socket, path, body, self._auth(rid), connect_s=_CONNECT_S,
+                                           idle_s=self.settings.upstream_timeout_s), version
+        except EngineRefused:
+            raise
         except EngineLinkError as e:
             raise self._unreachable(e) from None
+
+    async def _wait_for_restart(self, request: Request, ex: Exchange) -> bool:
+        """After the engine's socket refused a request: wait for the supervisor to notice the death (a
+        few seconds: the guard's exit and the log's end), then hold the request as during any restart.
+        True once the engine serves again; False at once where this request's class holds nothing."""
+        if self.settings.class_restart_hold_s.get(ex.cls, self.settings.restart_hold_s) <= 0:
+            return False
+        if not await self.supervisor.noticed_down(_NOTICE_S):
+            return False
+        await self._hold_while_restarting(request, ex)
+        return self.supervisor.ready
 
     def _auth(self, rid: str | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.supervisor.internal_key}", "Content-Type": "application/json"}
@@ -417,6 +445,9 @@ class Gateway:
 
 
 PREDICTED_TTFT = "X-Appliance-Predicted-TTFT-Ms"
+# How long a refused connection waits for the supervisor to see the engine's death (the guard's exit is
+# polled every 0.1 s; the end of the engine's log is awaited up to 5 s).
+_NOTICE_S = 10.0
 
 
 def _give_back(gate: AdmissionGate) -> Any:

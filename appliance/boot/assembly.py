@@ -1,7 +1,7 @@
 """The composition root: every part of the daemon built from the configuration and the plan.
 
     config + plan -> request log, metrics -> engine supervisor -> admission, cascade -> gateway
-                  -> engine watch, remedies -> API app -> Daemon
+                  -> engine watch, remedies, upgrader -> API app -> Daemon
 
 A test hands in its own supervisor here instead of swapping parts afterwards,
 so every part that holds one holds the same one.
@@ -30,13 +30,18 @@ from appliance.runtime.loop_monitor import LoopMonitor
 from appliance.runtime.systemd import Notifier
 from appliance.store.keys import KeyVerifier
 from appliance.store.requests import RequestLog, recent_errors
+from appliance.upgrade.upgrader import Upgrader
+from appliance.upgrade.versions import Outcome, Version
 from kernels.lock import KernelCheck
 from kvbudget.render import plan_dict
 from quantize.build import read_description
 
 
 def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = None,
-          kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None) -> Daemon:
+          kernel_check: KernelCheck | None = None, *, supervisor: EngineSupervisor | None = None,
+          file_cfg: Config | None = None, recovered: Outcome | None = None) -> Daemon:
+    """`cfg` is what the engine runs (the configuration file's, with the box's committed version applied:
+    appliance.upgrade.versions); `file_cfg` the file's own, which upgrades are recorded against."""
     state = SiteState(cfg, site_plan, model_check, kernel_check, model_build=read_description(cfg.model.path))
     metrics = Metrics()
     if model_check is not None:
@@ -45,7 +50,8 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
         metrics.kernels_info.labels(kernel_check.digest or "", str(kernel_check.ok).lower()).set(1)
     request_log = RequestLog(cfg.database_path, keep_text=cfg.state.log_prompts)
     settings = engine_settings(cfg, site_plan.plan)
-    supervisor = supervisor or EngineSupervisor(cfg, settings.args)
+    supervisor = supervisor or EngineSupervisor(cfg, settings.args,
+                                                version=model_check.digest if model_check else cfg.model.digest)
     admission = None
     if settings.admission is not None:
         admission = AdmissionGate(settings.admission)
@@ -72,14 +78,17 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
     # The site's traffic sampled beside each engine sample, for the doctor's grow advisor.
     traffic = TrafficWatch(lambda ts: metrics.traffic(ts, cascade.counts if cascade is not None else {}))
     watch.add_listener(lambda s: traffic.record(s.ts))
-    metrics.attach_doctor(lambda: live_findings(state, supervisor, watch, traffic, cascade))
     metrics.attach_state_dir(cfg.state.directory)
+    upgrader = Upgrader(state, Version.of(file_cfg or cfg), supervisor, gateway, admission, watch, metrics)
+    metrics.attach_doctor(lambda: live_findings(state, supervisor, watch, traffic, cascade, upgrader))
+    if recovered is not None:
+        metrics.upgrades.labels(recovered.kind, recovered.result).inc()
     required = keys_required(cfg.auth.require_keys, cfg.server.host)
     verifier = KeyVerifier(cfg.database_path)
     app = create_app(gateway, plan=lambda: plan_dict(state.site_plan.plan), verifier=verifier,
-                     keys_required=required, status=lambda: status(state, supervisor, cascade),
-                     doctor=lambda: doctor_report(state, supervisor, watch, traffic, cascade),
-                     recent_errors=lambda: recent_errors(cfg.database_path))
+                     keys_required=required, status=lambda: status(state, supervisor, cascade, upgrader),
+                     doctor=lambda: doctor_report(state, supervisor, watch, traffic, cascade, upgrader),
+                     recent_errors=lambda: recent_errors(cfg.database_path), upgrader=upgrader)
     return Daemon(state=state, request_log=request_log, metrics=metrics, supervisor=supervisor, admission=admission,
                   cascade=cascade, gateway=gateway, engine_watch=watch,
                   remedies=Remedies(state, supervisor, watch, gateway, admission, metrics), verifier=verifier,

@@ -435,6 +435,34 @@ class DoctorSection(_Section):
                                  "share of its answered requests was escalated over the last half hour.")
 
 
+class UpgradeSection(_Section):
+    """`appliance upgrade`: how a new model or engine is checked before it takes traffic, and watched after."""
+
+    golden_set: Path | None = Field(
+        default=None, description="The site's golden set (JSON lines: prompt, expect, json, max_latency_s); "
+                                  "unset: the packaged one (a few general questions).")
+    min_agreement: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.5, description="The new model's greedy answers to the golden set must agree at least this much "
+                                 "(mean word-sequence similarity, 0 to 1) with the running model's answers.")
+    gate_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=120.0, description="Longest the golden set may take on the new engine; past it the gate fails.")
+    drain_s: Annotated[float, Field(ge=0)] = Field(
+        default=120.0, description="Before the old engine stops, how long the answers it is giving may take to "
+                                   "finish (new requests are held meanwhile: server.restart_hold_s).")
+    swap: Literal["auto", "beside", "in_place"] = Field(
+        default="auto", description="How the new engine replaces the running one: beside it (both run until the "
+                                    "switch, no request waits; needs memory for both), in place (drained and "
+                                    "stopped first, new requests held), or auto: beside when the memory is there.")
+    probation_s: Annotated[float, Field(ge=0)] = Field(
+        default=300.0, description="After the swap, how long the new engine is watched before its version is "
+                                   "committed; a death or too many errors in that time roll it back.")
+    probation_max_error_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.2, description="In probation, the share of local answers with a 5xx status that rolls back "
+                                 "(judged once at least probation_min_requests were answered).")
+    probation_min_requests: Annotated[int, Field(ge=1)] = Field(
+        default=10, description="Answers needed before probation judges the error share.")
+
+
 class Config(_Section):
     site: SiteSection = Field(default_factory=SiteSection)
     model: ModelSection
@@ -448,6 +476,7 @@ class Config(_Section):
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     doctor: DoctorSection = Field(default_factory=DoctorSection)
+    upgrade: UpgradeSection = Field(default_factory=UpgradeSection)
 
     source: Path | None = Field(default=None, exclude=True, description="The file this came from.")
 
@@ -485,6 +514,7 @@ _PATH_FIELDS = {
     ("regional", "client_cert"),
     ("regional", "client_key"),
     ("kernels", "lock"),
+    ("upgrade", "golden_set"),
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from appliance.boot.config import Config
 from appliance.boot.model_pin import ModelCheck
 from appliance.boot.planning import PlanningError, SitePlan, plan_for_config
+from appliance.upgrade.versions import Outcome
 from kernels.lock import KernelCheck
 
 log = logging.getLogger("appliance")
@@ -32,7 +33,7 @@ def runtime_problems(cfg: Config) -> list[str]:
     """
     from appliance.boot.library_pins import library_problems
 
-    return [*library_problems(), *model_problems(cfg), *_engine_problems(cfg), *_regional_problems(cfg),
+    return [*library_problems(), *model_problems(cfg), *engine_problems(cfg), *_regional_problems(cfg),
             *state_problems(cfg)]
 
 
@@ -62,7 +63,7 @@ def _label_problems(mp: Path) -> list[str]:
     return [f"model.path {mp}: {problem}"] if problem else []
 
 
-def _engine_problems(cfg: Config) -> list[str]:
+def engine_problems(cfg: Config) -> list[str]:
     if cfg.engine.python and not os.access(cfg.engine.python, os.X_OK):
         return [f"engine.python {cfg.engine.python} is not an executable interpreter: install the engine's "
                 "environment there (the fleet's vLLM) or leave engine.python unset"]
@@ -140,9 +141,11 @@ class Ready:
     site_plan: SitePlan
     model_check: ModelCheck | None
     kernel_check: KernelCheck | None
+    file_cfg: Config | None = None  # the configuration file's own, when the box serves an upgraded version
+    recovered: Outcome | None = None  # an upgrade the daemon was killed in, as the restart found it
 
 
-def prepare(cfg: Config) -> Ready:
+def prepare(cfg: Config, file_cfg: Config | None = None, recovered: Outcome | None = None) -> Ready:
     """The rest of `appliance serve`'s start-up once runtime_problems found nothing: pins, then the plan."""
     model_check = verify_model(cfg)
     kernel_check = verify_kernels(cfg)
@@ -150,4 +153,4 @@ def prepare(cfg: Config) -> Ready:
         site_plan = plan_for_config(cfg)
     except PlanningError as e:
         raise StartupError(f"cannot plan the engine: {e}") from None
-    return Ready(cfg, site_plan, model_check, kernel_check)
+    return Ready(cfg, site_plan, model_check, kernel_check, file_cfg, recovered)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from appliance import __version__
-from appliance.cli import configure, doctor, kernels, keys, models, plan, records, serve
+from appliance.cli import configure, doctor, kernels, keys, models, plan, records, serve, upgrade
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +20,7 @@ def main() -> None:
 
 for command in (serve.serve, configure.config_group, configure.init_cmd, plan.plan_cmd, plan.gpus_cmd,
                 models.model_group, keys.keys_group, doctor.doctor_cmd, kernels.kernels_group,
-                records.escalations_group, records.requests_cmd):
+                records.escalations_group, records.requests_cmd, upgrade.upgrade_cmd, upgrade.rollback_cmd,
+                upgrade.versions_cmd):
     main.add_command(command)
 

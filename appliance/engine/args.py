@@ -33,7 +33,7 @@ class EngineLaunch:
 
 
 def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
-                 base_env: dict[str, str] | None = None) -> EngineLaunch:
+                 base_env: dict[str, str] | None = None, socket: Path | None = None) -> EngineLaunch:
     """The exact child process the supervisor starts: the configuration plus the plan's engine settings.
 
     plan_args come from kvbudget (--kv-cache-memory-bytes, --max-model-len, --max-num-seqs and,
@@ -42,6 +42,9 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
     """
     e = cfg.engine
     python = e.python or sys.executable
+    # Its own socket when given (the supervisor gives each engine one, as two run during an upgrade);
+    # cfg.engine_socket then links to the serving one.
+    socket = socket or cfg.engine_socket
     argv = [
         python,
         "-m",
@@ -53,7 +56,7 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
         # No TCP port: a Unix socket in a directory only the service user can enter, so nobody but the
         # appliance reaches the engine (vLLM's key guards only some of its routes).
         "--uds",
-        str(cfg.engine_socket),
+        str(socket),
         *plan_args,
         # The appliance keeps its own per-request log; vLLM's access log would duplicate it.
         "--disable-uvicorn-access-log",
@@ -65,7 +68,7 @@ def build_launch(cfg: Config, plan_args: Sequence[str], internal_key: str,
     env = engine_env(os.environ if base_env is None else base_env, cfg.engine_cache_dir, cfg.engine_socket.parent)
     # Passed by environment, not argv, so it does not show in `ps`.
     env["VLLM_API_KEY"] = internal_key
-    return EngineLaunch(argv=argv, env=env, socket=cfg.engine_socket, internal_key=internal_key)
+    return EngineLaunch(argv=argv, env=env, socket=socket, internal_key=internal_key)
 
 
 def engine_env(base_env: Mapping[str, str], cache_root: Path, rpc_dir: Path) -> dict[str, str]:

@@ -355,6 +355,24 @@ def engine_state(state: str, reason: str, restarts: int) -> Finding:
     return Finding("engine-state", "warn", f"{state}: {reason}")
 
 
+def upgrade(status: dict[str, Any]) -> Finding:
+    """The last upgrade or rollback (appliance.upgrade), or the one under way."""
+    running, last = status.get("running"), status.get("last")
+    if running:
+        return Finding("upgrade", "ok", f"{running['kind']} to {running['target']} under way: {running['step']}")
+    if not last:
+        return Finding("upgrade", "ok", f"serving {status['committed']}; no upgrade on record")
+    what = f"the last {last['kind']} (to {last['target']}) {last['result'].replace('_', ' ')} at {last['step']}"
+    if last["result"] == "committed":
+        return Finding("upgrade", "ok", f"{what}; serving {status['committed']}")
+    advice = {"refused": "fix what the reason names and run `appliance upgrade` again; the running engine was not "
+                         "touched",
+              "rolled_back": "the previous version serves again; the journal (journalctl -u appliance) has each "
+                             "step; fix the build before trying it again",
+              "interrupted": "the committed version serves; run the upgrade again"}.get(last["result"], "")
+    return Finding("upgrade", "warn", f"{what}: {last['reason']}", advice)
+
+
 def recipes(samples: Sequence[EngineSample], traffic: Sequence[TrafficSample], *, capacity: int, spec_method: str,
             workload: str, escalation_share_max: float, regional_enabled: bool) -> list[Finding]:
     return [kv_pressure(samples), spec_acceptance(samples, spec_method), prefix_cache(samples, workload),

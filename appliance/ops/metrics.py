@@ -186,6 +186,12 @@ class Metrics:
                                       "findings, by action", ["action"], registry=r)
         self.faults = Counter("appliance_internal_errors", "Faults of the appliance's own code, answered with a "
                               "500 and logged with a traceback, by route", ["route"], registry=r)
+        self.upgrades = Counter("appliance_upgrades", "Upgrades and rollbacks (appliance upgrade|rollback) by kind "
+                                "and how they ended: committed, rolled_back, refused, interrupted",
+                                ["kind", "result"], registry=r)
+        self.version_info = Gauge("appliance_model_version_info", "The committed version (role current) and the "
+                                  "one before it (previous): model digest and path, engine interpreter",
+                                  ["role", "digest", "path", "engine"], registry=r)
         self._engine = _EngineFamilies()
         r.register(self._engine)
         self._restarts_seen = 0
@@ -195,6 +201,9 @@ class Metrics:
     def observe_request(self, rec: RequestRecord, priority_class: str | None) -> None:
         cls = priority_class or "none"
         self.requests.labels(rec.route, str(rec.status), cls).inc()
+        self.totals["finished"] += 1
+        if rec.status >= 500:
+            self.totals["failed_5xx"] += 1  # what an upgrade's probation judges
         if rec.status == 200:
             self.totals["answered"] += 1
         if cls == "gold":

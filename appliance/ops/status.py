@@ -11,13 +11,16 @@ from appliance.engine.supervisor import EngineSupervisor
 from appliance.engine.watch import EngineWatch
 from appliance.ops import doctor
 from appliance.ops.traffic import TrafficWatch
+from appliance.upgrade.upgrader import Upgrader
 from cascade.service import Cascade
 
 
-def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | None) -> dict[str, Any]:
-    """Version, engine state, model digest and pin, plan summary, devices, kernels, cascade."""
+def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | None,
+           upgrader: Upgrader | None = None) -> dict[str, Any]:
+    """Version, engine state, model digest and pin, plan summary, devices, kernels, cascade, upgrades."""
     cfg, mc, kc, p = state.cfg, state.model_check, state.kernel_check, state.site_plan.plan
     return {
+        "upgrade": upgrader.status() if upgrader is not None else None,
         "site": cfg.site.name,
         "version": __version__,
         "engine": supervisor.status.as_dict(),
@@ -50,7 +53,8 @@ def status(state: SiteState, supervisor: EngineSupervisor, cascade: Cascade | No
 
 
 def live_findings(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
-                  traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> list[doctor.Finding]:
+                  traffic: TrafficWatch | None = None, cascade: Cascade | None = None,
+                  upgrader: Upgrader | None = None) -> list[doctor.Finding]:
     """The engine's state and the recipes over the last half hour of engine and traffic samples: no I/O,
     so the metrics export them at every scrape (appliance_doctor_finding) as well as the doctor route."""
     st = supervisor.status
@@ -64,12 +68,15 @@ def live_findings(state: SiteState, supervisor: EngineSupervisor, watch: EngineW
                             regional_enabled=state.cfg.regional.enabled)]
     if cascade is not None:
         live.append(doctor.calibrator(cascade.status()["calibrator"]))
+    if upgrader is not None:
+        live.append(doctor.upgrade(upgrader.status()))
     return live
 
 
 async def doctor_report(state: SiteState, supervisor: EngineSupervisor, watch: EngineWatch,
-                        traffic: TrafficWatch | None = None, cascade: Cascade | None = None) -> dict[str, Any]:
+                        traffic: TrafficWatch | None = None, cascade: Cascade | None = None,
+                        upgrader: Upgrader | None = None) -> dict[str, Any]:
     """The setup checks (the model hashed at start, not again) and the live findings."""
     setup = await asyncio.to_thread(doctor.setup_checks, state.cfg, state.site_plan.discovery, state.model_check,
                                     state.kernel_check)
-    return doctor.as_dict([*setup, *live_findings(state, supervisor, watch, traffic, cascade)])
+    return doctor.as_dict([*setup, *live_findings(state, supervisor, watch, traffic, cascade, upgrader)])

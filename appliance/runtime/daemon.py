@@ -40,6 +40,7 @@ from appliance.runtime.loop_monitor import LoopMonitor
 from appliance.runtime.systemd import Notifier
 from appliance.store.keys import KeyVerifier
 from appliance.store.requests import RequestLog
+from appliance.upgrade.versions import VersionsError, effective_config
 from cascade.service import Cascade
 
 log = logging.getLogger("appliance")
@@ -219,8 +220,8 @@ class Daemon:
         """SIGHUP: re-read the configuration; apply what can change live, name what needs a restart."""
         self.notifier.reloading()
         try:
-            new = load_config(self.cfg.source)
-        except ConfigError as e:
+            new, _ = effective_config(load_config(self.cfg.source))
+        except (ConfigError, VersionsError) as e:
             log.error("reload refused, keeping the running configuration: %s", e)
         else:
             old_d, new_d = self.cfg.model_dump(), new.model_dump()
@@ -244,7 +245,8 @@ def serve(ready) -> int:
     """Build the daemon from checked start-up results (appliance.boot.startup.prepare) and run it."""
     from appliance.boot.assembly import build
 
-    daemon = build(ready.cfg, ready.site_plan, ready.model_check, ready.kernel_check)
+    daemon = build(ready.cfg, ready.site_plan, ready.model_check, ready.kernel_check, file_cfg=ready.file_cfg,
+                   recovered=ready.recovered)
     settle_memory()
     try:
         import uvloop

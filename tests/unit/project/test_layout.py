@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 APPLIANCE = REPO / "appliance"
-FOLDERS = {"boot", "runtime", "engine", "api", "ops", "store", "cli"}
+FOLDERS = {"boot", "runtime", "engine", "api", "ops", "store", "upgrade", "cli"}
 
 
 def test_appliance_holds_only_its_parts_folders():

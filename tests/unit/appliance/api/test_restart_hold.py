@@ -169,3 +169,34 @@ def test_a_client_leaving_while_held_gives_its_place_up(tmp_path):
     finally:
         made.log.close()
     assert [row["status"] for row in recent_requests(made.cfg.database_path)] == [499]
+
+
+def test_a_request_the_dead_engine_refused_before_the_supervisor_knew_is_held_too(tmp_path):
+    """The engine's socket refuses a connection while the supervisor still says ready (it has not seen the
+    exit yet): nothing was sent, so the request waits for the supervisor to notice, is held through the
+    restart, and is sent again once."""
+    made = _made(tmp_path)
+    sup = made.gateway.supervisor
+    sock = made.gateway.settings.engine_socket
+    assert sock is not None
+    hidden = sock.with_name("hidden.sock")
+
+    async def scenario() -> httpx.Response:
+        sock.rename(hidden)  # the engine is gone: connections are refused
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+            sent = asyncio.create_task(c.post("/v1/completions", json=BODY))
+            await asyncio.sleep(0.3)
+            assert not sent.done() and made.gateway.held == 0  # waiting for the supervisor to notice
+            await sup._set(EngineState.RESTARTING, "engine died (SIGKILL); restarting in 1s")
+            await _held(made, c)
+            hidden.rename(sock)  # the restarted engine listens
+            await sup._set(EngineState.READY, "serving")
+            return await sent
+
+    try:
+        r = asyncio.run(scenario())
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
+        assert _holds(made) == {"served": 1.0}
+    finally:
+        made.log.close()
+    assert [row["status"] for row in recent_requests(made.cfg.database_path)] == [200]
