@@ -123,7 +123,7 @@ def main() -> None:
     d = Path(tempfile.mkdtemp(prefix="bench-upgrade-"))
     src = default_model_path()
     good, bad = model_builds.converted(src, d / "fp16"), model_builds.garbled(src, d / "garbled")
-    cfg = write_config(d, enforce_eager=False, cache_dir=d / "engine-cache", server_extra="restart_hold_s = 300",
+    cfg = write_config(d, enforce_eager=False, cache_dir=d / "engine-cache",
                        extra=f"[upgrade]\nprobation_s = {a.probation}\n")
     app, cold = time_to_ready(cfg, d)
     app.stop(signal.SIGTERM)

@@ -79,6 +79,7 @@ class GatewaySettings:
     restart_hold_s: float = 0.0
     restart_hold_max: int = 0
     class_restart_hold_s: Mapping[str, float] = dataclass_field(default_factory=dict)
+    upgrade_hold_s: float = 0.0  # while an upgrade's new engine loads in place: the hold, when longer
 
 
 class Gateway:
@@ -292,6 +293,8 @@ class Gateway:
         serve again, up to the class's hold bound (GatewaySettings). No wait where there is no hold: a first
         start, a supervisor that gave up, a bound of 0, too many held. A client leaving is ClientGone."""
         hold = self.settings.class_restart_hold_s.get(ex.cls, self.settings.restart_hold_s)
+        if self.supervisor.on_trial and hold > 0:  # a planned load and gate, longer than a restart
+            hold = max(hold, self.settings.upgrade_hold_s)
         if hold <= 0 or not self.supervisor.coming_back:
             return
         if self.held >= self.settings.restart_hold_max:

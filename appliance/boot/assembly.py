@@ -66,7 +66,8 @@ def build(cfg: Config, site_plan: SitePlan, model_check: ModelCheck | None = Non
                         auto_tool_choice=site_plan.plan.tools is None or site_plan.plan.tools.auto,
                         restart_hold_s=cfg.server.restart_hold_s, restart_hold_max=cfg.server.restart_hold_max,
                         class_restart_hold_s={name: c.restart_hold_s for name, c in cfg.admission.classes.items()
-                                              if c.restart_hold_s is not None}),
+                                              if c.restart_hold_s is not None},
+                        upgrade_hold_s=cfg.upgrade.hold_s),
         request_log, metrics, admission, cascade)
     # Polled only while the engine serves: a loading engine refusing connections is no scrape error.
     watch = EngineWatch(gateway.client, lambda: supervisor.base_url if supervisor.ready else None,

@@ -453,6 +453,11 @@ class UpgradeSection(_Section):
         default="auto", description="How the new engine replaces the running one: beside it (both run until the "
                                     "switch, no request waits; needs memory for both), in place (drained and "
                                     "stopped first, new requests held), or auto: beside when the memory is there.")
+    hold_s: Annotated[float, Field(ge=0)] = Field(
+        default=300.0, description="While an upgrade swaps in place (or rolls back), a new request waits this "
+                                   "long for the new engine, when it is longer than the restart hold "
+                                   "(server.restart_hold_s, per class): a load plus the gate takes longer than "
+                                   "a restart (about 100 s for the CPU engine with compilation).")
     probation_s: Annotated[float, Field(ge=0)] = Field(
         default=300.0, description="After the swap, how long the new engine is watched before its version is "
                                    "committed; a death or too many errors in that time roll it back.")

@@ -200,3 +200,28 @@ def test_a_request_the_dead_engine_refused_before_the_supervisor_knew_is_held_to
     finally:
         made.log.close()
     assert [row["status"] for row in recent_requests(made.cfg.database_path)] == [200]
+
+
+def test_an_upgrade_in_place_holds_for_the_longer_upgrade_bound(tmp_path):
+    """A planned swap (the supervisor on trial) loads and gates the new engine: its own, longer bound
+    applies, not the class's restart bound."""
+    made = _made(tmp_path, hold_s=30.0, silver=0.3)
+    made.gateway.settings = replace(made.gateway.settings, upgrade_hold_s=60.0)
+    sup = made.gateway.supervisor
+
+    async def scenario() -> httpx.Response:
+        await sup._set(EngineState.RESTARTING, "relaunching: upgrade to /m/new")
+        sup._trial = object()  # type: ignore[assignment]  # on trial, as try_launch leaves it
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=made.app), base_url="http://t") as c:
+            sent = asyncio.create_task(c.post("/v1/completions", json=BODY))
+            await _held(made, c)
+            await asyncio.sleep(0.6)  # past silver's own 0.3 s: still held
+            assert made.gateway.held == 1 and not sent.done()
+            await sup._set(EngineState.READY, "serving")
+            return await sent
+
+    try:
+        r = asyncio.run(scenario())
+        assert r.status_code == 200 and _holds(made) == {"served": 1.0}
+    finally:
+        made.log.close()
