@@ -150,6 +150,11 @@ class EngineStream(asyncio.Protocol):
                 self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._head.done():
+            # Not a byte of an answer: an engine that died with the request in its socket's queue. Nothing
+            # was answered, so the request may wait for the restart and go again, as a refused one does.
+            self._finish(EngineRefused("the engine closed the connection before it answered"))
+            return
         self._finish(EngineLinkError("the engine closed the connection before its answer ended"))
 
     def on_headers_complete(self) -> None:
