@@ -213,9 +213,16 @@ def _exits_at_once(box: Box) -> str:
     return str(script)
 
 
+STEPS = ["stage", "swap", "gate", "probation", "commit", "rollback"]
+
+
 def _step_is(box: Box, step: str) -> None:
-    wait_for(lambda: (box.upgrade_status()["running"] or {}).get("step") == step, 900, interval=0.5,
-             what=f"the upgrade's {step}")
+    """Until the upgrade under way has reached `step` (or a later one), or has ended: a step can pass
+    between two polls (an engine that exits at once ends the swap in 0.1 s)."""
+    def reached() -> bool:
+        running = box.upgrade_status()["running"]
+        return running is None or STEPS.index(running["step"]) >= STEPS.index(step)
+    wait_for(reached, 900, interval=0.2, what=f"the upgrade's {step}")
 
 
 def _kill_the_engine_in_probation(box: Box) -> float:
