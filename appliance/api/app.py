@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -191,12 +191,25 @@ class UpgradeBody(BaseModel):
     swap: Literal["auto", "beside", "in_place"] | None = Field(default=None, description="upgrade.swap, this once.")
 
 
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
 class RollbackBody(BaseModel):
     """POST /v1/appliance/rollback: an empty body, or the swap to make."""
 
     model_config = ConfigDict(extra="forbid")
 
     swap: Literal["auto", "beside", "in_place"] | None = None
+
+
+def _body(model: type[_Body], raw: bytes, code: str) -> _Body:
+    """An operator route's JSON body, or 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ApiError(400, f"{'.'.join(str(x) for x in first['loc']) or 'body'}: {first['msg']}",
+                       code=code) from None
 
 
 def upgrade_routes(upgrader: Upgrader) -> APIRouter:
@@ -213,12 +226,7 @@ def upgrade_routes(upgrader: Upgrader) -> APIRouter:
 
     @router.post("/upgrade")
     async def upgrade(request: Request) -> JSONResponse:
-        try:
-            body = UpgradeBody.model_validate_json(await request.body())
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise ApiError(400, f"{'.'.join(str(x) for x in first['loc']) or 'body'}: {first['msg']}",
-                           code="invalid_upgrade") from None
+        body = _body(UpgradeBody, await request.body(), "invalid_upgrade")
         req = UpgradeRequest(model_path=Path(body.model) if body.model else None, model_digest=body.digest,
                              engine_python=body.engine_python,
                              kernels_lock=Path(body.kernels_lock) if body.kernels_lock else None, swap=body.swap)
@@ -229,13 +237,7 @@ def upgrade_routes(upgrader: Upgrader) -> APIRouter:
 
     @router.post("/rollback")
     async def rollback(request: Request) -> JSONResponse:
-        raw = await request.body()
-        try:
-            body = RollbackBody.model_validate_json(raw or b"{}")
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise ApiError(400, f"{'.'.join(str(x) for x in first['loc']) or 'body'}: {first['msg']}",
-                           code="invalid_rollback") from None
+        body = _body(RollbackBody, await request.body() or b"{}", "invalid_rollback")
         try:
             return started(upgrader.start_rollback(body.swap))
         except UpgradeRefused as e:

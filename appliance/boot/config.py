@@ -452,7 +452,8 @@ class UpgradeSection(_Section):
     swap: Literal["auto", "beside", "in_place"] = Field(
         default="auto", description="How the new engine replaces the running one: beside it (both run until the "
                                     "switch, no request waits; needs memory for both), in place (drained and "
-                                    "stopped first, new requests held), or auto: beside when the memory is there.")
+                                    "stopped first, new requests held), or auto: beside for a GPU engine when the card has "
+                                    "the free memory, in place for the CPU engine.")
     hold_s: Annotated[float, Field(ge=0)] = Field(
         default=300.0, description="While an upgrade swaps in place (or rolls back), a new request waits this "
                                    "long for the new engine, when it is longer than the restart hold "

@@ -178,9 +178,6 @@ class LogTail:
     def append(self, line: str) -> None:
         self._lines.append((self._clock(), line))
 
-    def clear(self) -> None:
-        self._lines.clear()
-
     def recent(self, window_s: float) -> list[str]:
         since = self._clock() - window_s
         return [line for t, line in self._lines if t >= since]
@@ -283,20 +280,17 @@ class EngineSupervisor:
     async def until_ready(self, timeout: float) -> bool:
         """Wait while the engine is coming back, at most `timeout` s: True once it serves, False when the
         time is up or the supervisor gave up or stops."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self.coming_back:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
-        return self.ready
+        return await self._wait_while(lambda: self.coming_back, timeout) and self.ready
 
     async def noticed_down(self, timeout: float) -> bool:
         """Wait, at most `timeout` s, until the supervisor knows the engine is not serving (its socket may
         refuse before the supervisor has seen the exit): True once it does."""
+        return await self._wait_while(lambda: self.ready, timeout)
+
+    async def _wait_while(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Wait at state changes while `condition` holds, at most `timeout` s: False when the time ran out."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while self.ready:
+        while condition():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return False

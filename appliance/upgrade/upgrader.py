@@ -16,7 +16,6 @@ restarts on the committed version and says which step the upgrade died in (Versi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -147,12 +146,6 @@ class Upgrader:
         self.attempt = Attempt(secrets.token_hex(4), kind, target, source, swap or self.state.cfg.upgrade.swap)
         self._task = asyncio.create_task(self._run(self.attempt), name=kind)
         return self.attempt
-
-    async def wait(self) -> None:
-        """Until the attempt under way ends (tests, the CLI's --wait through the route)."""
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._task)
 
     # -- the steps --------------------------------------------------------------------------------------
 
